@@ -1,0 +1,44 @@
+"""Small helpers passes share to add nodes that carry the same metadata capture gives (``val``, the zerofx tag)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from zerofx.step_graph import TAG, NodeTag, Phase
+
+
+def fake_mode_of(graph: fx.Graph):
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch._subclasses.FakeTensor):
+            return val.fake_mode
+    raise ValueError("graph has no fake tensor metadata: run capture first")
+
+
+def add_call(graph: fx.Graph, target: Callable, args: tuple, *, like: fx.Node, phase: Phase | None = None,
+             val: Any = None, kwargs: dict | None = None) -> fx.Node:
+    """Insert ``target(*args)`` at the graph's current insertion point, with ``val`` computed on fake tensors
+    (unless given) and a tag copied from ``like`` (phase overridable)."""
+    node = graph.call_function(target, args, kwargs or {})
+    if val is None:
+        fake_args = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs or {}))
+        with fake_mode_of(graph):
+            val = target(*fake_args[0], **fake_args[1])
+    node.meta["val"] = val
+    source: NodeTag = like.meta[TAG]
+    node.meta[TAG] = NodeTag(phase or source.phase, source.microbatch)
+    if "stack_trace" in like.meta:
+        node.meta["stack_trace"] = like.meta["stack_trace"]
+    return node
+
+
+def first_user_after(nodes: list[fx.Node], after: fx.Node, order: dict[fx.Node, int],
+                     exclude: set[fx.Node] = frozenset()) -> fx.Node | None:
+    """The earliest node in graph order, later than ``after``, that uses any of ``nodes``."""
+    candidates = [u for n in nodes for u in n.users if u not in exclude and order.get(u, -1) > order[after]]
+    return min(candidates, key=order.__getitem__, default=None)
+

@@ -1,0 +1,48 @@
+"""The passes each ZeRO stage runs, in order. ``print(pipeline(0))`` lists them."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
+
+from zerofx.passes.broadcast_buffers import broadcast_buffers
+from zerofx.passes.bucket_allreduce import bucket_allreduce
+from zerofx.passes.context import PassContext
+from zerofx.passes.remove_profiler_ops import remove_profiler_ops
+
+Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+
+_STAGES: dict[int, tuple[Pass, ...]] = {
+    0: (remove_profiler_ops, broadcast_buffers, bucket_allreduce),
+}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    stage: int
+    passes: tuple[Pass, ...]
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext,
+            after_each: Callable[[int, str, fx.GraphModule], None] | None = None) -> fx.GraphModule:
+        """Apply the passes in order; ``after_each(index, name, gm)`` sees every intermediate graph (dumps)."""
+        for i, p in enumerate(self.passes, start=1):
+            gm = p(gm, ctx)
+            if after_each is not None:
+                after_each(i, p.__name__, gm)
+        return gm
+
+    def __str__(self) -> str:
+        lines = [f"zerofx stage {self.stage} pipeline:"]
+        for i, p in enumerate(self.passes, start=1):
+            summary = (sys.modules[p.__module__].__doc__ or "").strip().splitlines()[0]
+            lines.append(f"  {i}. {p.__name__:<22} {summary}")
+        return "\n".join(lines)
+
+
+def pipeline(stage: int) -> Pipeline:
+    if stage not in _STAGES:
+        raise ValueError(f"stage must be one of {sorted(_STAGES)}, got {stage!r}")
+    return Pipeline(stage, _STAGES[stage])

@@ -1,0 +1,17 @@
+"""zerofx: ZeRO (the Zero Redundancy Optimizer) as compiler passes over a traced PyTorch training step.
+
+    step = zerofx.compile(train_step, stage=0)
+    loss = step(model, optimizer, x, y)
+"""
+
+from zerofx import passes
+from zerofx.api import CompiledStep, Config, compile
+from zerofx.collectives import CollectiveRecord
+from zerofx.errors import CaptureError, RankMismatchError
+from zerofx.memory import LiveStorageTracker
+from zerofx.stats import StepStats
+
+__all__ = [
+    "compile", "CompiledStep", "Config", "CaptureError", "RankMismatchError", "StepStats", "CollectiveRecord",
+    "LiveStorageTracker", "passes",
+]

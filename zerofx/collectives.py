@@ -1,0 +1,96 @@
+"""Every collective zerofx issues goes through this module, which records it.
+
+Graph passes insert calls to the functions here; they run PyTorch's functional collectives
+(``torch.ops._c10d_functional``), so they are asynchronous until ``wait``, work with gloo and NCCL alike, and are
+seen by ``CommDebugMode``. A record holds the kind, the elements of the full buffer, the dtype and the group size;
+``purpose`` separates the step's data traffic from small control exchanges (rank agreement, flags).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    kind: str  # "all_reduce", "all_gather", "reduce_scatter", "broadcast"
+    numel: int  # elements of the full buffer (the gathered or the reduced one)
+    dtype: torch.dtype
+    group_size: int
+    purpose: str = "data"  # "data" (gradients, parameters, buffers) or "control"
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class _Recording(threading.local):
+    records: list[CollectiveRecord] | None = None
+
+
+_recording = _Recording()
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the records of every collective issued inside the block."""
+    previous, records = _recording.records, []
+    _recording.records = records
+    try:
+        yield records
+    finally:
+        _recording.records = previous
+
+
+def _record(kind: str, tensor: torch.Tensor, numel: int, group_size: int, purpose: str = "data") -> None:
+    if _recording.records is not None and not isinstance(tensor, torch._subclasses.FakeTensor):
+        _recording.records.append(CollectiveRecord(kind, numel, tensor.dtype, group_size, purpose))
+
+
+def group_name(group: dist.ProcessGroup | None = None) -> str:
+    """The name the functional collectives resolve a process group by (the default group when None)."""
+    return (group or dist.group.WORLD).group_name
+
+
+def all_reduce(tensor: torch.Tensor, op: str, group: str, group_size: int) -> torch.Tensor:
+    """In place, asynchronous: call `wait` before reading. ``op="avg"`` divides first, as DDP's default hook does."""
+    _record("all_reduce", tensor, tensor.numel(), group_size)
+    if op == "avg":
+        tensor.div_(group_size)
+        op = "sum"
+    return _c10d.all_reduce_(tensor, op, group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: str, group_size: int) -> torch.Tensor:
+    """In place, asynchronous: call `wait` before reading."""
+    _record("broadcast", tensor, tensor.numel(), group_size)
+    return _c10d.broadcast_(tensor, src, group)
+
+
+def wait(tensor: torch.Tensor) -> torch.Tensor:
+    return _c10d.wait_tensor(tensor)
+
+
+def all_gather_control(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Gather one small tensor from every rank, synchronously (rank agreement, flags)."""
+    size = dist.get_world_size(group)
+    out = torch.empty((size, *value.shape), dtype=value.dtype, device=value.device)
+    _record("all_gather", value, out.numel(), size, purpose="control")
+    dist.all_gather_into_tensor(out, value, group=group)
+    return out
+
+
+def broadcast_control(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Synchronous in-place broadcast outside the graph (initial state sync)."""
+    _record("broadcast", tensor, tensor.numel(), dist.get_world_size(group), purpose="control")
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group)
+
+
+COLLECTIVES = (all_reduce, broadcast)

@@ -1,0 +1,47 @@
+"""Readable dumps: the graph after capture and after each pass, as Python with shapes, one file per pass.
+
+Each file starts with a header (pass, node count, the collectives and their bytes) so ``diff`` between consecutive
+files shows what a pass did.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch.fx as fx
+
+from zerofx import collectives
+from zerofx.step_graph import TAG
+
+
+def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in collectives.COLLECTIVES]
+
+
+def summary(gm: fx.GraphModule) -> list[str]:
+    """Header lines: node count per phase and each collective with its elements and bytes."""
+    phases = Counter(n.meta[TAG].phase.value for n in gm.graph.nodes if TAG in n.meta and n.op == "call_function")
+    lines = [f"nodes: {len(gm.graph.nodes)} ({', '.join(f'{k} {v}' for k, v in sorted(phases.items()))})"]
+    colls = collective_nodes(gm)
+    total = sum(n.meta["val"].numel() * n.meta["val"].dtype.itemsize for n in colls)
+    lines.append(f"collectives: {len(colls)} ({total} bytes)")
+    for n in colls:
+        val = n.meta["val"]
+        lines.append(f"  {n.name}: {n.target.__name__} {val.numel()} x {val.dtype} "
+                     f"({val.numel() * val.dtype.itemsize} bytes, {n.meta[TAG].phase.value})")
+    return lines
+
+
+def render(gm: fx.GraphModule, title: str) -> str:
+    header = "\n".join(f"# {line}" for line in [title, *summary(gm)])
+    body = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    return f"{header}\n\n{body}"
+
+
+def write(dump_dir: str, index: int, name: str, gm: fx.GraphModule) -> str:
+    os.makedirs(dump_dir, exist_ok=True)
+    path = os.path.join(dump_dir, f"{index:02d}_{name}.py")
+    with open(path, "w") as f:
+        f.write(render(gm, f"pass {index}: {name}"))
+    return path

@@ -1,0 +1,80 @@
+"""What a captured graph depends on besides its inputs. A change of any of these re-traces (cached per key).
+
+Parameter and buffer shapes, dtypes, devices and ``requires_grad``; every
+module's train/eval mode; the optimizer's type, groups, state layout and the hyperparameters it branches on; the
+batch's structure, shapes and dtypes and any non-tensor argument's value. Hyperparameters that are graph inputs
+(lr, Adam's betas) are not part of the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.utils._pytree as pytree
+
+from zerofx import optim_support
+from zerofx.capture import StepBinding
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), str(t.dtype), t.device.type)
+
+
+def step_key(binding: StepBinding, args: tuple) -> dict[str, tuple]:
+    """The guard key as named parts, so a re-trace can say what changed."""
+    fqn_of = binding.fqn_of()
+    key = {
+        "params": tuple((fqn, _tensor_meta(p), p.requires_grad)
+                        for fqn, p in binding.params.items()),
+        "buffers": tuple((fqn, _tensor_meta(b)) for fqn, b in binding.buffers.items()),
+        "training": tuple(tuple(m.training for m in module.modules()) for module in binding.modules(args)),
+        "grad_enabled": (torch.is_grad_enabled(),),
+    }
+    for oi, opt in enumerate(binding.optimizers(args)):
+        spec = optim_support.spec_for(opt)
+        inputs = {optim_support.hyperparam_name(k) for k in spec.tensor_hyperparams}
+        groups = []
+        for group in opt.param_groups:
+            guarded = []
+            for name, value in sorted(group.items()):
+                if name == "params":
+                    guarded.append((name, tuple(fqn_of[id(p)] for p in value)))
+                elif isinstance(value, tuple):
+                    guarded.append((name, tuple("<input>" if f"{name}[{i}]" in inputs else v
+                                                for i, v in enumerate(value))))
+                elif name not in inputs:
+                    guarded.append((name, repr(value)))
+            groups.append(tuple(guarded))
+        state = tuple(
+            (fqn_of[id(p)], tuple((k, _tensor_meta(v) if isinstance(v, torch.Tensor) else repr(v))
+                                  for k, v in sorted(s.items())))
+            for p, s in opt.state.items()
+        )
+        key[f"optimizer{oi}"] = (type(opt).__name__, tuple(groups), state)
+    leaves, spec = pytree.tree_flatten(binding.batch(args))
+    key["batch"] = (str(spec),) + tuple(_tensor_meta(x) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
+    return key
+
+
+def freeze(key: dict[str, tuple]) -> tuple:
+    return tuple(sorted(key.items()))
+
+
+def key_hash(key: dict[str, tuple]) -> int:
+    """A 63-bit hash, equal on every rank for equal keys (no Python hash randomisation)."""
+    return int.from_bytes(hashlib.sha256(repr(freeze(key)).encode()).digest()[:8], "little") >> 1
+
+
+def describe_change(old: dict[str, tuple], new: dict[str, tuple]) -> str:
+    changed = []
+    for part in sorted(set(old) | set(new)):
+        a, b = old.get(part), new.get(part)
+        if a == b:
+            continue
+        if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+            diffs = [f"{x!r} -> {y!r}" for x, y in zip(a, b) if x != y][:3]
+            changed.append(f"{part}: " + "; ".join(diffs))
+        else:
+            changed.append(f"{part}: {a!r} -> {b!r}")
+    return ", ".join(changed)

@@ -1,0 +1,33 @@
+"""Ranks must run the same graph: check before the first collective so a mismatch errors everywhere, never hangs.
+
+Each step every rank contributes the hash of its guard key (batch shapes, modes, optimizer layout) to one small
+all-gather; before a graph first runs, the hash of its code too. On a mismatch every rank learns it from the same
+all-gather, exchanges a description, and raises `RankMismatchError` naming what differs on which rank.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from zerofx import collectives
+from zerofx.errors import RankMismatchError
+
+
+def control_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def verify_same(value: int, what: str, describe: Callable[[], str], group: dist.ProcessGroup | None = None) -> None:
+    mine = torch.tensor([value], dtype=torch.int64, device=control_device(group))
+    every = collectives.all_gather_control(mine, group).flatten().tolist()
+    if len(set(every)) == 1:
+        return
+    descriptions: list = [None] * len(every)
+    dist.all_gather_object(descriptions, describe(), group=group)
+    lines = [f"  rank {r}: {d}" for r, d in enumerate(descriptions)]
+    raise RankMismatchError(f"ranks would run different graphs: {what} differs\n" + "\n".join(lines))

@@ -1,0 +1,111 @@
+"""Build (capture, then the stage's passes) and execute a step graph on the ranks of a process group."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from zerofx import collectives, dump
+from zerofx.capture import CapturedStep, StepBinding, capture, input_values
+from zerofx.passes import PassContext, pipeline
+from zerofx.step_graph import Role
+
+
+@dataclass
+class CompiledGraph:
+    captured: CapturedStep
+    gm: fx.GraphModule
+    ctx: PassContext
+    snapshots: dict[str, fx.GraphModule] = field(default_factory=dict)  # "capture" and each pass's name
+    verified: bool = False
+
+    @property
+    def fingerprint(self) -> int:
+        return int.from_bytes(hashlib.sha256(self.gm.code.encode()).digest()[:8], "little") >> 1
+
+
+def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy that later passes (which edit in place) leave alone."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None) -> CompiledGraph:
+    captured = capture(train_step, binding, args)
+    snapshots = {"capture": snapshot(captured.gm)}
+    if dump_dir:
+        dump.write(dump_dir, 0, "capture", captured.gm)
+
+    def after_each(index: int, name: str, gm: fx.GraphModule) -> None:
+        snapshots[name] = snapshot(gm)
+        if dump_dir:
+            dump.write(dump_dir, index, name, gm)
+
+    gm = pipeline(ctx.stage).run(captured.gm, ctx, after_each)
+    return CompiledGraph(captured, gm, ctx, snapshots)
+
+
+def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple) -> tuple[object, list]:
+    """Run the graph on this rank's state and batch; write back what eager would leave behind.
+    Returns the user's output and the collective records of the run."""
+    captured = compiled.captured
+    inputs = input_values(binding, args, captured.inputs, for_trace=False)
+    with collectives.recording() as records, torch.no_grad():
+        outputs = compiled.gm(*inputs)
+    user_leaves = dict(captured.user_out_constants)
+    optimizers = binding.optimizers(args)
+    for slot, value in zip(captured.outputs, outputs):
+        if slot.role == Role.USER_OUTPUT:
+            user_leaves[int(slot.key)] = value
+        elif slot.role == Role.GRAD_OUT:
+            binding.params[slot.fqn].grad = value
+        elif slot.role == Role.NEW_STATE:
+            optimizers[slot.optimizer].state[binding.params[slot.fqn]][slot.key] = value
+        elif slot.role == Role.NEW_BUFFER:
+            _set_buffer(binding, args, slot.fqn, value)
+    left_grads = {s.fqn for s in captured.outputs if s.role == Role.GRAD_OUT}
+    for fqn, p in binding.params.items():
+        if p.requires_grad and fqn not in left_grads:
+            p.grad = None  # the step left no gradient (zero_grad at its end)
+    leaves = [user_leaves[i] for i in range(len(user_leaves))]
+    return pytree.tree_unflatten(leaves, captured.user_out_spec), records
+
+
+def _set_buffer(binding: StepBinding, args: tuple, fqn: str, value: torch.Tensor) -> None:
+    for module in binding.modules(args):
+        for name, buf in module.named_buffers(remove_duplicate=False):
+            if binding.buffer_aliases.get(name) == fqn:
+                owner_name, _, leaf = name.rpartition(".")
+                owner = module.get_submodule(owner_name) if owner_name else module
+                setattr(owner, leaf, value)
+                binding.buffers[fqn] = value
+
+
+def sync_module_states(binding: StepBinding) -> None:
+    """As DDP does at construction: every rank starts from rank 0's parameters and buffers."""
+    tensors = [p.detach() for p in binding.params.values()] + list(binding.buffers.values())
+    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        collectives.broadcast_control(flat, src=0)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def world() -> tuple[int, str | None]:
+    if dist.is_available() and dist.is_initialized():
+        size = dist.get_world_size()
+        return size, (collectives.group_name() if size > 1 else None)
+    return 1, None

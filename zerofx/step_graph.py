@@ -1,0 +1,185 @@
+"""What every node of a captured training step means, and the questions passes ask about it.
+
+Capture tags each node with a `NodeTag` in ``node.meta["zerofx"]``: its phase (forward, backward, optimizer), its
+micro-batch, and for inputs and the values the optimizer consumes, its role and the parameter's fully qualified name.
+`StepGraph` answers "the gradient of p", "the optimizer update of p", "first and last use of p in forward".
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+TAG = "zerofx"
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class Role(str, enum.Enum):
+    # graph inputs
+    PARAM = "param"
+    BUFFER = "buffer"
+    GRAD_IN = "grad_in"  # a .grad that existed before the step (accumulation across calls)
+    OPT_STATE = "opt_state"
+    HYPERPARAM = "hyperparam"
+    BATCH = "batch"
+    # values inside the graph
+    GRAD = "grad"  # a parameter's gradient as backward leaves it (per micro-batch)
+    OPTIMIZER_GRAD = "optimizer_grad"  # the gradient the optimizer reads (after clipping etc.)
+    UPDATED_PARAM = "updated_param"  # the last in-place update of a parameter
+    # graph outputs
+    USER_OUTPUT = "user_output"
+    GRAD_OUT = "grad_out"  # the .grad left after the step
+    NEW_STATE = "new_state"  # optimizer state created or replaced by the step
+    NEW_BUFFER = "new_buffer"  # a buffer the module re-assigned
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One graph input or output: what it is and whose it is."""
+
+    role: Role
+    fqn: str | None = None  # parameter or buffer name; None for batch, user outputs
+    key: str | None = None  # optimizer state key ("exp_avg") or hyperparameter key ("lr")
+    group: int | None = None  # (optimizer index, param group index) flattened for hyperparameters
+    optimizer: int | None = None
+
+    def describe(self) -> str:
+        parts = [self.role.value]
+        if self.fqn:
+            parts.append(self.fqn)
+        if self.key:
+            parts.append(self.key)
+        if self.group is not None:
+            parts.append(f"group{self.group}")
+        return ":".join(parts)
+
+
+@dataclass
+class NodeTag:
+    phase: Phase
+    microbatch: int = 0
+    slots: list[Slot] = field(default_factory=list)  # a value can be several things at once
+
+    def has(self, role: Role, fqn: str | None = None) -> bool:
+        return any(s.role == role and (fqn is None or s.fqn == fqn) for s in self.slots)
+
+
+def tag(node: fx.Node) -> NodeTag | None:
+    return node.meta.get(TAG)
+
+
+def is_mutating(node: fx.Node) -> bool:
+    """True for an ATen op that writes into one of its arguments (``add_``, ``copy_``, ``out=``)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def aliases_first_arg(node: fx.Node) -> bool:
+    """True for an op whose output aliases its first argument: views and in-place ops."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.arguments or not node.args:
+        return False
+    info = schema.arguments[0].alias_info
+    return info is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """Follow views and in-place results back to the node that owns the storage."""
+    while aliases_first_arg(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+class StepGraph:
+    """Read-only questions about a tagged step graph. Built fresh by a pass; cheap."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.graph = gm.graph
+        self.order = {n: i for i, n in enumerate(self.graph.nodes)}
+
+    def placeholders(self, role: Role) -> dict[str, fx.Node]:
+        out = {}
+        for n in self.graph.nodes:
+            t = tag(n)
+            if n.op == "placeholder" and t is not None:
+                for s in t.slots:
+                    if s.role == role:
+                        out[s.fqn or n.name] = n
+        return out
+
+    def params(self) -> dict[str, fx.Node]:
+        return self.placeholders(Role.PARAM)
+
+    def tagged(self, role: Role, microbatch: int | None = None) -> dict[str, fx.Node]:
+        """fqn -> node for every node holding ``role`` (e.g. GRAD of the given micro-batch)."""
+        out = {}
+        for n in self.graph.nodes:
+            t = tag(n)
+            if t is None:
+                continue
+            for s in t.slots:
+                if s.role == role and (microbatch is None or t.microbatch == microbatch):
+                    out[s.fqn] = n
+        return out
+
+    def grad(self, fqn: str, microbatch: int = -1) -> fx.Node | None:
+        """The gradient of ``fqn`` as backward of ``microbatch`` leaves it (-1: the last micro-batch)."""
+        mb = self.num_microbatches() - 1 if microbatch == -1 else microbatch
+        return self.tagged(Role.GRAD, mb).get(fqn)
+
+    def num_microbatches(self) -> int:
+        return 1 + max((tag(n).microbatch for n in self.graph.nodes if tag(n)), default=0)
+
+    def update(self, fqn: str) -> list[fx.Node]:
+        """The optimizer's in-place writes into parameter ``fqn``, in order."""
+        param = self.params()[fqn]
+        return [n for n in self.graph.nodes if is_mutating(n) and storage_root(n) is param]
+
+    def uses(self, fqn: str, phase: Phase | None = None) -> list[fx.Node]:
+        """Nodes that read parameter ``fqn`` (through views too), in graph order, optionally of one phase."""
+        param = self.params()[fqn]
+        seen, frontier, users = {param}, [param], []
+        while frontier:
+            for u in frontier.pop().users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                if aliases_first_arg(u) and u.args[0] in seen and not is_mutating(u):
+                    frontier.append(u)  # a view: its readers read the parameter
+                users.append(u)
+        users.sort(key=self.order.__getitem__)
+        if phase is not None:
+            users = [u for u in users if tag(u) is not None and tag(u).phase == phase]
+        return users
+
+    def first_use(self, fqn: str, phase: Phase) -> fx.Node | None:
+        uses = self.uses(fqn, phase)
+        return uses[0] if uses else None
+
+    def last_use(self, fqn: str, phase: Phase) -> fx.Node | None:
+        uses = self.uses(fqn, phase)
+        return uses[-1] if uses else None
+
+    def phase_span(self, phase: Phase, microbatch: int | None = None) -> tuple[fx.Node, fx.Node] | None:
+        nodes = [
+            n for n in self.graph.nodes
+            if tag(n) is not None and tag(n).phase == phase and n.op == "call_function"
+            and (microbatch is None or tag(n).microbatch == microbatch)
+        ]
+        return (nodes[0], nodes[-1]) if nodes else None
+
+
+def value_meta(node: fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
