@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from zerofx import guards, optim_support, ranks, runtime
+from zerofx import collectives, guards, optim_support, ranks, runtime
 from zerofx.capture import StepBinding
 from zerofx.passes import PassContext
 from zerofx.stats import StepStats
@@ -60,6 +60,12 @@ class CompiledStep:
         self._last_records: list = []
 
     def __call__(self, *args):
+        with collectives.recording() as records:
+            out = self._step(args)
+        self._last_records = records
+        return out
+
+    def _step(self, args: tuple):
         binding = self._bind(args)
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
@@ -78,8 +84,7 @@ class CompiledStep:
                               lambda: f"graph fingerprint {compiled.fingerprint:x}")
             compiled.verified = True
         self._last_key, self._last = key, compiled
-        out, self._last_records = runtime.execute(compiled, binding, args)
-        return out
+        return runtime.execute(compiled, binding, args)
 
     def _bind(self, args: tuple) -> StepBinding:
         ids = tuple(id(a) for a in args if isinstance(a, (nn.Module, torch.optim.Optimizer)))

@@ -60,18 +60,19 @@ def group_name(group: dist.ProcessGroup | None = None) -> str:
 
 
 def all_reduce(tensor: torch.Tensor, op: str, group: str, group_size: int) -> torch.Tensor:
-    """In place, asynchronous: call `wait` before reading. ``op="avg"`` divides first, as DDP's default hook does."""
+    """Asynchronous: `wait` on the result before reading it. ``op="avg"`` divides ``tensor`` (in place) first, as
+    DDP's default hook does, so the sum over ranks is the mean."""
     _record("all_reduce", tensor, tensor.numel(), group_size)
     if op == "avg":
         tensor.div_(group_size)
         op = "sum"
-    return _c10d.all_reduce_(tensor, op, group)
+    return _c10d.all_reduce(tensor, op, group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: str, group_size: int) -> torch.Tensor:
-    """In place, asynchronous: call `wait` before reading."""
+    """Asynchronous: `wait` on the result before reading it."""
     _record("broadcast", tensor, tensor.numel(), group_size)
-    return _c10d.broadcast_(tensor, src, group)
+    return _c10d.broadcast(tensor, src, group)
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:
@@ -81,10 +82,10 @@ def wait(tensor: torch.Tensor) -> torch.Tensor:
 def all_gather_control(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Gather one small tensor from every rank, synchronously (rank agreement, flags)."""
     size = dist.get_world_size(group)
-    out = torch.empty((size, *value.shape), dtype=value.dtype, device=value.device)
+    out = torch.empty(size * value.numel(), dtype=value.dtype, device=value.device)
     _record("all_gather", value, out.numel(), size, purpose="control")
-    dist.all_gather_into_tensor(out, value, group=group)
-    return out
+    dist.all_gather_single(out, value.reshape(-1), group=group)
+    return out.view(size, *value.shape)
 
 
 def broadcast_control(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> None:

@@ -53,12 +53,12 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     return CompiledGraph(captured, gm, ctx, snapshots)
 
 
-def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple) -> tuple[object, list]:
-    """Run the graph on this rank's state and batch; write back what eager would leave behind.
-    Returns the user's output and the collective records of the run."""
+def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple):
+    """Run the graph on this rank's state and batch; write back what eager would leave behind; return the user's
+    output."""
     captured = compiled.captured
     inputs = input_values(binding, args, captured.inputs, for_trace=False)
-    with collectives.recording() as records, torch.no_grad():
+    with torch.no_grad():
         outputs = compiled.gm(*inputs)
     user_leaves = dict(captured.user_out_constants)
     optimizers = binding.optimizers(args)
@@ -76,7 +76,7 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple) -> tuple
         if p.requires_grad and fqn not in left_grads:
             p.grad = None  # the step left no gradient (zero_grad at its end)
     leaves = [user_leaves[i] for i in range(len(user_leaves))]
-    return pytree.tree_unflatten(leaves, captured.user_out_spec), records
+    return pytree.tree_unflatten(leaves, captured.user_out_spec)
 
 
 def _set_buffer(binding: StepBinding, args: tuple, fqn: str, value: torch.Tensor) -> None:

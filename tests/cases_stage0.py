@@ -1,0 +1,72 @@
+"""Cases that run on every rank of a gloo pool (see dist_pool.py); the tests in test_stage0_dist.py call them."""
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zerofx
+from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
+
+
+def _assert_state_close(a: dict, b: dict, rtol: float) -> None:
+    torch.testing.assert_close(a, b, rtol=rtol, atol=0)
+
+
+def ddp_parity(rank, world_size, model_kind="gpt", steps=10, bucket_bytes=8 * 1024):
+    make, batch = {"gpt": (gpt_and_adamw, token_batch), "bn": (bn_and_sgd, bn_batch)}[model_kind]
+    ref_model, ref_opt = make()
+    ddp = DDP(ref_model)
+    model, opt = make()
+    step = zerofx.compile(train_step, bucket_bytes=bucket_bytes)
+    ref_losses, losses = [], []
+    for i in range(steps):
+        x, y = batch(i, rank)
+        ref_losses.append(train_step(ddp, ref_opt, x, y).item())
+        losses.append(step(model, opt, x, y).item())
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    _assert_state_close(model.state_dict(), ref_model.state_dict(), rtol=1e-5)
+    _assert_state_close(opt.state_dict(), ref_opt.state_dict(), rtol=1e-5)
+    return {"losses": losses, "buffers": {k: v.tolist() for k, v in model.named_buffers()}}
+
+
+def allreduce_buckets(rank, world_size, bucket_bytes):
+    """Returns what the graph, the records and CommDebugMode each say about the step's all-reduces."""
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(train_step, bucket_bytes=bucket_bytes)
+    x, y = token_batch(0, rank)
+    step(model, opt, x, y)
+    with CommDebugMode() as comm:
+        step(model, opt, x, y)
+    counts = {str(k): v for k, v in comm.get_comm_counts().items()}
+    records = step.stats().collectives
+    gm = step.graph()
+    graph_allreduces = [n.meta["val"].numel() for n in gm.graph.nodes if n.target is zerofx.collectives.all_reduce]
+    return {
+        "num_params": step.stats().num_params,
+        "graph_allreduce_numels": graph_allreduces,
+        "record_kinds": [(r.kind, r.numel, r.purpose) for r in records],
+        "comm_debug_counts": counts,
+    }
+
+
+def uneven_batch(rank, world_size):
+    """Rank 1's second batch is shorter: every rank must raise, quickly, and the group must stay usable."""
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(train_step)
+    x, y = token_batch(0, rank)
+    step(model, opt, x, y)
+    x, y = token_batch(1, rank, batch=3 if rank == 1 else 4)
+    start = time.perf_counter()
+    try:
+        step(model, opt, x, y)
+    except zerofx.RankMismatchError as e:
+        error = str(e)
+    else:
+        error = None
+    elapsed = time.perf_counter() - start
+    flag = torch.ones(1)
+    dist.all_reduce(flag)  # the group still works after the error
+    return {"error": error, "seconds": elapsed, "group_ok": flag.item() == world_size}

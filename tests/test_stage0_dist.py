@@ -1,0 +1,48 @@
+"""Stage 0 on 2 gloo ranks against DistributedDataParallel."""
+
+import math
+
+import cases_stage0 as cases
+from models import gpt_and_adamw
+
+
+def test_transformer_adamw_matches_ddp(ranks2):
+    results = ranks2.run(cases.ddp_parity, model_kind="gpt")
+    assert results[0]["losses"] != results[1]["losses"]  # each rank trained on its own data
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
+def test_batchnorm_sgd_momentum_matches_ddp(ranks2):
+    results = ranks2.run(cases.ddp_parity, model_kind="bn")
+    # running statistics follow each rank's own data after rank 0's were broadcast: they differ between ranks
+    assert results[0]["buffers"]["bn.running_var"] != results[1]["buffers"]["bn.running_var"]
+
+
+def test_one_allreduce_per_bucket_and_commdebugmode_agrees(ranks2):
+    bucket_bytes = 16 * 1024
+    result = ranks2.run(cases.allreduce_buckets, bucket_bytes=bucket_bytes)[0]
+    numels = result["graph_allreduce_numels"]
+    psi = result["num_params"]
+    model, _ = gpt_and_adamw()
+    largest_param = max(p.numel() for p in model.parameters())
+    assert sum(numels) == psi
+    assert all(n * 4 <= bucket_bytes or n == largest_param for n in numels)
+    assert len(numels) >= math.ceil(psi * 4 / bucket_bytes)
+    data = [r for r in result["record_kinds"] if r[2] == "data"]
+    assert [n for kind, n, _ in data if kind == "all_reduce"] == numels
+    control = [r for r in result["record_kinds"] if r[2] == "control"]
+    assert control == [("all_gather", 2, "control")]  # the per-step rank check
+    counts = result["comm_debug_counts"]
+    all_reduces = sum(v for k, v in counts.items() if "all_reduce" in k or "allreduce" in k)
+    all_gathers = sum(v for k, v in counts.items() if "all_gather" in k or "allgather" in k)
+    assert all_reduces == len(numels), counts
+    assert all_gathers == len(control)
+    assert sum(counts.values()) == len(result["record_kinds"])
+
+
+def test_uneven_batch_raises_on_every_rank_without_hanging(ranks2):
+    results = ranks2.run(cases.uneven_batch, timeout=60)
+    for r in results:
+        assert r["error"] is not None and "batch" in r["error"] and "rank 1" in r["error"]
+        assert r["seconds"] < 10
+        assert r["group_ok"]
