@@ -175,43 +175,52 @@ def _parse_hyperparam(name: str) -> optim_support.HyperparamKey:
 
 
 class _PhaseRecorder:
-    """Records the graph's length at each phase event while make_fx traces."""
+    """Tags nodes with their phase while make_fx traces: at each event (a module's forward begins, backward begins
+    or ends, the optimizer's step begins or ends) the nodes created since the last event get the phase they were
+    created in. Between a backward and what follows it, the phase is decided by what comes next: gradient
+    post-processing before the optimizer (clipping) belongs to the optimizer; before another forward, to backward."""
 
     def __init__(self):
-        self.events: list[tuple[int, str]] = []
+        self.phase: Phase | None = Phase.FORWARD  # None: after a backward, until the next event decides
+        self.microbatch = 0
+        self.in_optimizer_step = False
+        self.seen_backward = False
         self.grads_after_backward: list[dict[str, torch.Tensor]] = []
         self.grads_at_optimizer: dict[str, torch.Tensor] = {}
 
-    def mark(self, event: str) -> None:
+    def _flush(self, pending_phase: Phase) -> None:
         mode = get_proxy_mode()
-        self.events.append((len(mode.tracer.graph.nodes) if mode is not None else 0, event))
+        if mode is None:
+            return
+        for node in mode.tracer.graph.nodes:
+            if TAG not in node.meta:
+                node.meta[TAG] = NodeTag(self.phase or pending_phase, self.microbatch, [], self.in_optimizer_step)
 
-    def assign(self, graph: fx.Graph) -> None:
-        """Give every node its phase and micro-batch from the recorded events."""
-        events = sorted(self.events, key=lambda e: e[0])
-        optimizer_start = next((i for i, e in events if e == "optimizer_start"), None)
-        phase, microbatch, k = Phase.FORWARD, 0, 0
-        seen_backward = False
-        for index, node in enumerate(graph.nodes):
-            while k < len(events) and events[k][0] <= index:
-                event = events[k][1]
-                if event == "forward_start" and phase != Phase.FORWARD:
-                    microbatch += 1 if seen_backward else 0
-                    phase = Phase.FORWARD
-                elif event == "backward_start":
-                    phase, seen_backward = Phase.BACKWARD, True
-                elif event == "optimizer_start":
-                    phase = Phase.OPTIMIZER
-                k += 1
-            # between the last backward and the optimizer: gradient post-processing (clipping) feeds the update
-            if phase == Phase.BACKWARD and optimizer_start is not None and index >= optimizer_start:
-                phase = Phase.OPTIMIZER
-            node.meta[TAG] = NodeTag(phase, microbatch)
-        last_backward_end = max((i for i, e in events if e == "backward_end"), default=None)
-        if last_backward_end is not None:
-            for index, node in enumerate(graph.nodes):
-                if index >= last_backward_end and node.meta[TAG].phase == Phase.BACKWARD:
-                    node.meta[TAG].phase = Phase.OPTIMIZER
+    def event(self, name: str) -> None:
+        if name == "forward_start":
+            self._flush(Phase.BACKWARD)
+            if self.phase != Phase.FORWARD:
+                self.microbatch += 1 if self.seen_backward else 0
+                self.phase = Phase.FORWARD
+        elif name == "backward_start":
+            self._flush(Phase.FORWARD)
+            self.phase, self.seen_backward = Phase.BACKWARD, True
+        elif name == "backward_end":
+            self._flush(Phase.BACKWARD)
+            self.phase = None
+        elif name == "optimizer_start":
+            self._flush(Phase.OPTIMIZER)
+            self.phase, self.in_optimizer_step = Phase.OPTIMIZER, True
+        elif name == "optimizer_end":
+            self._flush(Phase.OPTIMIZER)
+            self.in_optimizer_step = False
+        elif name == "step_end":
+            self._flush(Phase.OPTIMIZER)
+
+    def tag_rest(self, graph: fx.Graph) -> None:
+        for node in graph.nodes:
+            if TAG not in node.meta:
+                node.meta[TAG] = NodeTag(Phase.OPTIMIZER if node.op == "output" else Phase.FORWARD, self.microbatch)
 
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple) -> CapturedStep:
@@ -253,24 +262,31 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple) -> Captured
                                 for n, _ in module.named_buffers(remove_duplicate=False)})
                 stack.enter_context(stateless._reparametrize_module(module, mapping))
                 stack.enter_context(_hook(module.register_forward_pre_hook(
-                    lambda *_: recorder.mark("forward_start"))))
+                    lambda *_: recorder.event("forward_start"))))
             for oi, opt in enumerate(optimizers):
                 stack.enter_context(_swap_optimizer(opt, oi, binding, slots, fakes))
                 stack.enter_context(_hook(opt.register_step_pre_hook(
                     lambda *_: _on_optimizer_start(recorder, fake_params))))
                 stack.enter_context(_hook(opt.register_step_post_hook(
-                    lambda *_: recorder.mark("optimizer_end"))))
+                    lambda *_: recorder.event("optimizer_end"))))
             stack.enter_context(_track_backward(recorder, fake_params))
             user_out = train_step(*call_args)
+            recorder.event("step_end")
             return _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_params,
                                     recorder, out_slots, out_meta)
 
+    # make_fx keeps source lines of frames named "forward" only; the train step's own lines matter as much
+    torch.fx.proxy._register_stack_trace_anchor(train_step)
     try:
         gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(*real_inputs)
     except (GuardOnDataDependentSymNode, DataDependentOutputException) as e:
+        source = user_frame(e.__traceback__)
+        construct = ("Python control flow on .item(): a number read from a tensor decides a branch"
+                     if source and ".item()" in source else
+                     "Python control flow on a tensor value: bool() of a tensor decides a branch")
         raise CaptureError(
-            "Python control flow on a tensor value: bool(), int(), float() or .item() of a tensor decides a branch",
-            source=user_frame(e.__traceback__),
+            construct,
+            source=source,
             hint="compute both branches with torch.where, or move the decision out of the train step",
         ) from None
     except DynamicOutputShapeException as e:
@@ -279,11 +295,11 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple) -> Captured
             source=user_frame(e.__traceback__),
         ) from None
     gm.graph._codegen = fx.graph.CodeGen()  # plain positional inputs and a flat list of outputs
-    recorder.assign(gm.graph)
+    recorder.tag_rest(gm.graph)
     _tag_placeholders(gm.graph, slots)
+    _check_param_mutations(gm.graph)
     slots = _drop_unread_grads(gm.graph, slots)
     kept = _tag_outputs(gm.graph, out_slots)
-    _check_param_mutations(gm.graph)
     gm.recompile()
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"],
                         trace_seconds=time.perf_counter() - start)
@@ -298,7 +314,7 @@ def _hook(handle):
 
 
 def _on_optimizer_start(recorder: _PhaseRecorder, fake_params: dict) -> None:
-    recorder.mark("optimizer_start")
+    recorder.event("optimizer_start")
     recorder.grads_at_optimizer = {fqn: p.grad for fqn, p in fake_params.items() if p.grad is not None}
 
 
@@ -307,11 +323,11 @@ def _track_backward(recorder: _PhaseRecorder, fake_params: dict):
     real_backward = torch.autograd.backward
 
     def backward(*a, **k):
-        recorder.mark("backward_start")
+        recorder.event("backward_start")
         try:
             return real_backward(*a, **k)
         finally:
-            recorder.mark("backward_end")
+            recorder.event("backward_end")
             recorder.grads_after_backward.append(
                 {fqn: p.grad for fqn, p in fake_params.items() if p.grad is not None})
 
@@ -397,7 +413,7 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
         for name, buf in module.named_buffers(remove_duplicate=False):
             if buf is not None and id(buf) not in fake_buffers:
                 emit(buf, Slot(Role.NEW_BUFFER, binding.buffer_aliases.get(prefix + name, prefix + name)))
-    for mb, grads in enumerate(recorder.grads_after_backward):
+    for grads in recorder.grads_after_backward:
         for fqn, g in grads.items():
             emit(g, Slot(Role.GRAD, fqn), keep=False)
     for fqn, g in recorder.grads_at_optimizer.items():
@@ -456,11 +472,11 @@ def _tag_outputs(graph: fx.Graph, out_slots: list[tuple[Slot, bool]]) -> list[Sl
 def _check_param_mutations(graph: fx.Graph) -> None:
     """A parameter may only be written by the optimizer: anything else would train something else when sharded."""
     for node in graph.nodes:
-        if not is_mutating(node):
+        if not is_mutating(node) or node.meta[TAG].in_optimizer_step:
             continue
         root = storage_root(node)
         tag = root.meta.get(TAG)
-        if root.op == "placeholder" and tag and tag.has(Role.PARAM) and node.meta[TAG].phase != Phase.OPTIMIZER:
+        if root.op == "placeholder" and tag and tag.has(Role.PARAM):
             fqn = tag.slots[0].fqn
             raise CaptureError(
                 f"in-place update of parameter '{fqn}' outside the optimizer ({node.target})",

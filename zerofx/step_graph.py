@@ -67,6 +67,7 @@ class NodeTag:
     phase: Phase
     microbatch: int = 0
     slots: list[Slot] = field(default_factory=list)  # a value can be several things at once
+    in_optimizer_step: bool = False  # created inside optimizer.step() (not clipping or code after the step)
 
     def has(self, role: Role, fqn: str | None = None) -> bool:
         return any(s.role == role and (fqn is None or s.fqn == fqn) for s in self.slots)
