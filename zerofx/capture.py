@@ -161,7 +161,8 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
         elif s.role == Role.HYPERPARAM:
             group = optimizers[s.optimizer].param_groups[s.group]
             value = optim_support.read_hyperparam(group, _parse_hyperparam(s.key))
-            values.append(torch.tensor(value, dtype=torch.float64))
+            # traced from a tensor (make_fx lifts tensors, not floats); the graph then takes the float itself
+            values.append(torch.tensor(value, dtype=torch.float64) if for_trace else value)
         elif s.role == Role.BATCH:
             values.append(next(batch_iter))
     return values
@@ -299,6 +300,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple) -> Captured
     _tag_placeholders(gm.graph, slots)
     _check_param_mutations(gm.graph)
     slots = _drop_unread_grads(gm.graph, slots)
+    _hyperparams_as_floats(gm.graph)
     kept = _tag_outputs(gm.graph, out_slots)
     gm.recompile()
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"],
@@ -441,6 +443,17 @@ def _drop_unread_grads(graph: fx.Graph, slots: list[Slot]) -> list[Slot]:
         else:
             kept.append(slot)
     return kept
+
+
+def _hyperparams_as_floats(graph: fx.Graph) -> None:
+    """Each hyperparameter was traced as a 0-dim tensor read once with .item(): make the graph input the float."""
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.meta[TAG].has(Role.HYPERPARAM):
+            for reader in list(node.users):
+                if reader.target is torch.ops.aten._local_scalar_dense.default:
+                    node.meta["val"] = reader.meta["val"]
+                    reader.replace_all_uses_with(node)
+                    graph.erase_node(reader)
 
 
 def _placeholder_name(slot: Slot) -> str:

@@ -1,0 +1,174 @@
+"""Capture on one process: what the graph holds, what it refuses, and that it computes what eager computes."""
+
+import pytest
+import torch
+
+import zerofx
+from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
+from zerofx.capture import StepBinding, capture
+from zerofx.step_graph import Phase, Role, StepGraph, is_mutating, tag
+
+
+def _capture(step_fn=train_step, make=gpt_and_adamw, batch=token_batch):
+    model, opt = make()
+    args = (model, opt, *batch(0, 0))
+    return capture(step_fn, StepBinding.from_args(args), args), model
+
+
+def test_every_node_has_a_phase_and_inputs_have_roles():
+    captured, model = _capture()
+    graph = captured.gm.graph
+    phases = {tag(n).phase for n in graph.nodes}
+    assert phases == {Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER}
+    roles = [s.role for s in captured.inputs]
+    assert roles.count(Role.PARAM) == len(list(model.parameters()))  # the tied head weight counted once
+    assert roles.count(Role.OPT_STATE) == 3 * len(list(model.parameters()))  # step, exp_avg, exp_avg_sq
+    assert roles.count(Role.HYPERPARAM) == 2 * 3  # lr, beta1, beta2 per group: scheduler-proof inputs
+    assert roles.count(Role.BATCH) == 2
+    assert Role.GRAD_IN not in roles  # zero_grad() at the start: incoming gradients are never read
+
+
+def test_step_graph_answers_grad_update_and_uses_of_a_parameter():
+    captured, _ = _capture()
+    sg = StepGraph(captured.gm)
+    fqn = "blocks.0.mlp.0.weight"
+    grad = sg.grad(fqn)
+    assert tag(grad).phase == Phase.BACKWARD and tuple(grad.meta["val"].shape) == (128, 32)
+    updates = sg.update(fqn)
+    assert updates and all(tag(n).phase == Phase.OPTIMIZER and is_mutating(n) for n in updates)
+    first_fwd, last_fwd = sg.first_use(fqn, Phase.FORWARD), sg.last_use(fqn, Phase.FORWARD)
+    first_bwd, last_bwd = sg.first_use(fqn, Phase.BACKWARD), sg.last_use(fqn, Phase.BACKWARD)
+    order = sg.order
+    assert order[first_fwd] <= order[last_fwd] < order[first_bwd] <= order[last_bwd] < order[updates[0]]
+    # the tied embedding: used by the input lookup and the output head, one gradient summing both
+    assert len(sg.uses("wte.weight", Phase.FORWARD)) >= 2
+    assert sg.grad("wte.weight") is not None
+
+
+def test_microbatches_are_tagged():
+    def two_microbatches(model, opt, x, y):
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            (model(xs, ys) / 2).backward()
+        opt.step()
+
+    captured, _ = _capture(two_microbatches)
+    sg = StepGraph(captured.gm)
+    assert sg.num_microbatches() == 2
+    assert sg.grad("ln_f.weight", 0) is not sg.grad("ln_f.weight", 1)
+    assert sg.phase_span(Phase.BACKWARD, 0)[1] in sg.order
+    assert sg.order[sg.phase_span(Phase.BACKWARD, 0)[1]] < sg.order[sg.phase_span(Phase.FORWARD, 1)[0]]
+
+
+@pytest.mark.parametrize("make,batch", [(gpt_and_adamw, token_batch), (bn_and_sgd, bn_batch)])
+def test_single_process_matches_eager(make, batch):
+    # Alone, the two runs agree bit for bit; within a long test process, where tensors land in memory can change
+    # the order of vectorised reductions by an ulp, so the bound is a few ulps, well inside the required 1e-5.
+    rtol = 1e-6
+    ref_model, ref_opt = make()
+    model, opt = make()
+    step = zerofx.compile(train_step)
+    for i in range(4):
+        x, y = batch(i, 0)
+        torch.testing.assert_close(step(model, opt, x, y), train_step(ref_model, ref_opt, x, y), rtol=rtol, atol=0)
+    torch.testing.assert_close(model.state_dict(), ref_model.state_dict(), rtol=rtol, atol=0)
+    torch.testing.assert_close(opt.state_dict(), ref_opt.state_dict(), rtol=rtol, atol=0)
+    assert all(p.grad is not None for p in model.parameters())  # zero_grad at the start: grads left, as eager
+
+
+def test_frozen_parameters_and_zero_grad_at_the_end():
+    def zero_grad_last(model, opt, x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return {"loss": loss, "note": "ok"}
+
+    model, opt = gpt_and_adamw()
+    model.wpe.weight.requires_grad_(False)
+    frozen = model.wpe.weight.detach().clone()
+    step = zerofx.compile(zero_grad_last)
+    out = step(model, opt, *token_batch(0, 0))
+    assert out["note"] == "ok" and out["loss"].ndim == 0
+    assert torch.equal(model.wpe.weight, frozen)
+    assert all(p.grad is None for p in model.parameters())
+    assert "wpe.weight" not in StepGraph(step.graph()).tagged(Role.GRAD)
+
+
+def test_lazily_created_state_exists_before_capture():
+    model, opt = bn_and_sgd()
+    assert not opt.state
+    step = zerofx.compile(train_step)
+    step(model, opt, *bn_batch(0, 0))
+    step(model, opt, *bn_batch(1, 0))
+    assert step.stats().traces == 1  # the first step did not trace a different graph from the later ones
+    assert all("momentum_buffer" in opt.state[p] for p in model.parameters())
+
+
+# --- what cannot be captured faithfully ---------------------------------------------------------------------------
+
+def _loss_branch(model, opt, x, y):
+    opt.zero_grad()
+    loss = model(x, y)
+    if loss > 1.0:
+        loss = loss * 2
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _item_branch(model, opt, x, y):
+    opt.zero_grad()
+    loss = model(x, y)
+    if loss.item() > 1.0:
+        loss = loss * 2
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _param_write_outside_optimizer(model, opt, x, y):
+    loss = train_step(model, opt, x, y)
+    with torch.no_grad():
+        model.wte.weight.mul_(0.5)
+    return loss
+
+
+def _returns_item(model, opt, x, y):
+    return train_step(model, opt, x, y).item()
+
+
+@pytest.mark.parametrize("step_fn,construct,line", [
+    (_loss_branch, "bool() of a tensor decides a branch", "if loss > 1.0:"),
+    (_item_branch, "Python control flow on .item()", "if loss.item() > 1.0:"),
+    (_param_write_outside_optimizer, "in-place update of parameter 'wte.weight' outside the optimizer",
+     "model.wte.weight.mul_(0.5)"),
+    (_returns_item, "returns a Python number computed from a tensor", None),
+])
+def test_unsupported_step_constructs_raise_capture_error(step_fn, construct, line):
+    model, opt = gpt_and_adamw()
+    with pytest.raises(zerofx.CaptureError) as info:
+        zerofx.compile(step_fn)(model, opt, *token_batch(0, 0))
+    assert construct in str(info.value)
+    if line:
+        assert "test_capture.py" in info.value.source and line in info.value.source
+
+
+def test_unsupported_optimizer_raises_capture_error():
+    model, _ = gpt_and_adamw()
+    with pytest.raises(zerofx.CaptureError, match="unsupported optimizer RMSprop"):
+        zerofx.compile(train_step)(model, torch.optim.RMSprop(model.parameters()), *token_batch(0, 0))
+
+
+def test_optimizer_parameter_outside_the_module_raises_capture_error():
+    model, _ = gpt_and_adamw()
+    stray = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
+    with pytest.raises(zerofx.CaptureError, match=r"optimizer parameter not in the module.*shape \(3,\)"):
+        zerofx.compile(train_step)(model, opt, *token_batch(0, 0))
+
+
+def test_missing_module_or_optimizer_is_named():
+    model, opt = gpt_and_adamw()
+    with pytest.raises(zerofx.CaptureError, match="no torch.optim.Optimizer"):
+        zerofx.compile(lambda m, x, y: m(x, y))(model, *token_batch(0, 0))

@@ -1,0 +1,103 @@
+"""What the graph depends on (inputs vs guards) and what it costs in memory, on one process."""
+
+import logging
+
+import torch
+
+import zerofx
+from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
+
+
+def _train_both(make, batch, steps, between=lambda model, opt, i: None):
+    runs = []
+    for compiled in (False, True):
+        model, opt = make()
+        step = zerofx.compile(train_step) if compiled else train_step
+        losses = []
+        for i in range(steps):
+            losses.append(step(model, opt, *batch(i, 0)).item())
+            between(model, opt, i)
+        runs.append((model, opt, losses, step))
+    return runs
+
+
+def test_lr_scheduler_changes_the_update_without_retracing():
+    schedulers = {}
+
+    def make():
+        model, opt = bn_and_sgd()
+        schedulers[id(opt)] = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
+        return model, opt
+
+    (ref, ref_opt, ref_losses, _), (model, opt, losses, step) = _train_both(
+        make, bn_batch, 6, lambda m, o, i: schedulers[id(o)].step())
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
+    torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-6, atol=0)
+    assert opt.param_groups[0]["lr"] != 0.1 and step.stats().traces == 1
+
+
+def test_one_cycle_lr_with_momentum_cycling_matches_eager_without_retracing():
+    schedulers = {}
+
+    def make():
+        model, opt = gpt_and_adamw()
+        schedulers[id(opt)] = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=8,
+                                                                   cycle_momentum=True)
+        return model, opt
+
+    (ref, ref_opt, ref_losses, _), (model, opt, losses, step) = _train_both(
+        make, token_batch, 6, lambda m, o, i: schedulers[id(o)].step())
+    assert len({g["betas"][0] for g in opt.param_groups}) >= 1 and opt.param_groups[0]["betas"][0] != 0.95
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
+    torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(opt.state_dict(), ref_opt.state_dict(), rtol=1e-6, atol=0)
+    assert step.stats().traces == 1  # lr and beta1 are graph inputs
+
+
+def test_branching_hyperparameter_is_a_guard_that_retraces_and_says_why(caplog):
+    model, opt = bn_and_sgd()
+    step = zerofx.compile(train_step)
+    step(model, opt, *bn_batch(0, 0))
+    opt.param_groups[0]["weight_decay"] = 0.0  # torch.optim branches on weight_decay != 0
+    with caplog.at_level(logging.WARNING, logger="zerofx"):
+        step(model, opt, *bn_batch(1, 0))
+        step(model, opt, *bn_batch(2, 0))
+    assert step.stats().traces == 2
+    retraces = [r.getMessage() for r in caplog.records if "re-tracing" in r.getMessage()]
+    assert len(retraces) == 1 and "weight_decay" in retraces[0]
+
+
+def test_eval_mode_and_batch_shape_are_guards(caplog):
+    model, opt = bn_and_sgd()
+    step = zerofx.compile(train_step)
+    step(model, opt, *bn_batch(0, 0))
+    with caplog.at_level(logging.WARNING, logger="zerofx"):
+        model.eval()
+        step(model, opt, *bn_batch(1, 0))
+        model.train()
+        step(model, opt, *bn_batch(2, 0, batch=6))
+        step(model, opt, *bn_batch(3, 0))  # back to a key already compiled: no new trace
+    messages = [r.getMessage() for r in caplog.records if "re-tracing" in r.getMessage()]
+    assert step.stats().traces == 3
+    assert "training" in messages[0] and "batch" in messages[1] and len(messages) == 2
+
+
+def _peak_bytes(model, opt, step, x, y) -> int:
+    roots = [list(model.parameters()), list(model.buffers()), [p.grad for p in model.parameters()],
+             [v for s in opt.state.values() for v in s.values()], [x, y]]
+    with zerofx.LiveStorageTracker(roots) as tracker:
+        step(model, opt, x, y)
+    return tracker.peak_bytes
+
+
+def test_compiled_peak_is_not_above_eager_peak():
+    """Both run a warm-up step first, so gradients and optimizer state exist; the second step is measured."""
+    peaks = {}
+    for name in ("eager", "compiled"):
+        model, opt = gpt_and_adamw()
+        step = zerofx.compile(train_step) if name == "compiled" else train_step
+        step(model, opt, *token_batch(0, 0))
+        peaks[name] = _peak_bytes(model, opt, step, *token_batch(1, 0))
+    state_bytes = sum(p.numel() * 4 * 4 for p in gpt_and_adamw()[0].parameters())  # param, grad, 2 moments
+    assert peaks["compiled"] > state_bytes  # the tracker sees the state, not only temporaries
+    assert peaks["compiled"] <= peaks["eager"], peaks
