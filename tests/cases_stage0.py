@@ -70,3 +70,15 @@ def uneven_batch(rank, world_size):
     flag = torch.ones(1)
     dist.all_reduce(flag)  # the group still works after the error
     return {"error": error, "seconds": elapsed, "group_ok": flag.item() == world_size}
+
+
+def dump_files(rank, world_size, dump_dir):
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(train_step, bucket_bytes=16 * 1024, dump_dir=dump_dir)
+    step(model, opt, *token_batch(0, rank))
+    named = step.graph("bucket_allreduce")
+    return {
+        "final_is_last_pass": step.graph().code == named.code,
+        "capture_has_no_allreduce": "all_reduce" not in step.graph("capture").code,
+        "allreduces": sum(n.target is zerofx.collectives.all_reduce for n in named.graph.nodes),
+    }

@@ -34,9 +34,14 @@ def summary(gm: fx.GraphModule) -> list[str]:
 
 
 def render(gm: fx.GraphModule, title: str) -> str:
+    """A module that imports: the header as comments, the imports the body names, then ``class Step``."""
     header = "\n".join(f"# {line}" for line in [title, *summary(gm)])
+    imports = ["import torch", "from torch import device", "import zerofx.collectives"]
+    imports += [f"zerofx_collectives_{f.__name__} = zerofx.collectives.{f.__name__}"
+                for f in (*collectives.COLLECTIVES, collectives.wait)]
     body = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    return f"{header}\n\n{body}"
+    body = body.replace("class <lambda>(torch.nn.Module):", "class Step(torch.nn.Module):", 1)
+    return f"{header}\n\n" + "\n".join(imports) + f"\n\n\n{body}"
 
 
 def write(dump_dir: str, index: int, name: str, gm: fx.GraphModule) -> str:
