@@ -1,0 +1,84 @@
+"""Train a small character-level GPT data-parallel with zerofx.
+
+    torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --stage 0
+
+Each rank draws its own batches from examples/data/zero.txt; zerofx captures the train step once into one graph
+(forward, backward, AdamW), adds the stage's communication, and runs it on every rank.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import zerofx
+from nanogpt import GPT, GPTConfig, param_groups
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--stage", type=int, default=0)
+parser.add_argument("--steps", type=int, default=60)
+parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--bucket-mb", type=float, default=0.25)
+parser.add_argument("--dump-dir", default=None, help="write the graph after capture and after each pass here")
+args = parser.parse_args()
+
+# --- processes: torchrun sets the environment; one process needs no group ---------------------------------------
+device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+rank = dist.get_rank() if dist.is_initialized() else 0
+world_size = dist.get_world_size() if dist.is_initialized() else 1
+
+# --- data: characters of a small text ------------------------------------------------------------------------------
+text = open(os.path.join(os.path.dirname(__file__), "data", "zero.txt")).read()
+chars = sorted(set(text))
+data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+cfg = GPTConfig(vocab_size=len(chars), block_size=64, n_layer=2, n_head=4, n_embd=64)
+
+
+def get_batch(step: int):
+    g = torch.Generator().manual_seed(world_size * step + rank)  # each rank its own samples
+    starts = torch.randint(0, len(data) - cfg.block_size - 1, (args.batch_size,), generator=g)
+    x = torch.stack([data[s:s + cfg.block_size] for s in starts])
+    y = torch.stack([data[s + 1:s + 1 + cfg.block_size] for s in starts])
+    return x.to(device), y.to(device)
+
+
+# --- model, optimizer, schedule ------------------------------------------------------------------------------------
+torch.manual_seed(0)
+model = GPT(cfg).to(device)
+optimizer = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=args.lr)
+warmup = 5
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+
+# --- the train step: ordinary PyTorch, compiled once -------------------------------------------------------------
+@zerofx.compile(stage=args.stage, bucket_bytes=int(args.bucket_mb * 2**20), dump_dir=args.dump_dir)
+def train_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+for step in range(args.steps):
+    start = time.perf_counter()
+    loss = train_step(model, optimizer, *get_batch(step))
+    scheduler.step()
+    if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+        print(f"step {step:3d}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}  "
+              f"{(time.perf_counter() - start) * 1e3:7.1f} ms")
+
+stats = train_step.stats()
+if rank == 0:
+    data_traffic = sum(r.numel for r in stats.data_collectives())
+    print(f"stage {stats.stage} on {stats.world_size} rank(s): {stats.num_params} parameters, "
+          f"{len(stats.data_collectives())} collectives moving {data_traffic} elements per step")
+if dist.is_initialized():
+    dist.destroy_process_group()
