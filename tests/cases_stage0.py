@@ -82,3 +82,23 @@ def dump_files(rank, world_size, dump_dir):
         "capture_has_no_allreduce": "all_reduce" not in step.graph("capture").code,
         "allreduces": sum(n.target is zerofx.collectives.all_reduce for n in named.graph.nodes),
     }
+
+
+def rank_dependent_branch(rank, world_size):
+    """Same shapes on every rank, but rank 0's step has an extra op: the graph fingerprints differ."""
+    def branching_step(model, opt, x, y):
+        opt.zero_grad()
+        loss = model(x, y)
+        if dist.get_rank() == 0:
+            loss = loss * 1.0
+        loss.backward()
+        opt.step()
+        return loss
+
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(branching_step)
+    try:
+        step(model, opt, *token_batch(0, rank))
+    except zerofx.RankMismatchError as e:
+        return str(e)
+    return None

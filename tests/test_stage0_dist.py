@@ -63,3 +63,8 @@ def test_dump_dir_has_one_readable_file_per_pass(ranks2, tmp_path):
     exec(compile(text, "03_bucket_allreduce.py", "exec"), namespace)  # the dump is a Python module
     assert "forward" in vars(namespace["Step"])
     assert results[0]["final_is_last_pass"] and results[0]["capture_has_no_allreduce"]
+
+
+def test_rank_dependent_branch_raises_on_every_rank(ranks2):
+    errors = ranks2.run(cases.rank_dependent_branch, timeout=60)
+    assert all(e is not None and "captured graph" in e for e in errors)
