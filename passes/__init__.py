@@ -6,14 +6,30 @@ guarantees. Contents, in pipeline order:
 - ``remove_profiler_ops``: drop torch.optim's record_function markers.
 - ``broadcast_buffers``: rank 0's buffers broadcast before forward (DDP's default).
 - ``bucket_allreduce``: stage 0, bucketed gradient all-reduce as gradients become ready.
+- ``shard_optimizer_state``: stages 1-3, the optimizer updates this rank's shards (P_os).
+- ``gather_params``: stage 3, gather parameter buckets before forward and backward use them (P_p), with prefetch.
+- ``reduce_scatter_grads``: stages 1-3, gradient shards by bucketed reduce-scatter (after backward at stage 1,
+  as buckets become ready at stages 2-3: P_g).
+- ``allgather_params``: stages 1-2, gather the updated parameters after the optimizer.
+- ``propagate_shard_shapes``: stages 1-3, shapes on shards; refuses an update that is not elementwise.
+
+Shared builders: ``bucketing`` (bucket plans of constant size), ``flat_collectives`` (pack, collective, unpack),
+``graph_edit`` (adding nodes with metadata).
 
 ``pipeline(stage)`` lists the passes a stage runs and prints itself.
 """
 
+from zerofx.passes.allgather_params import allgather_params
 from zerofx.passes.broadcast_buffers import broadcast_buffers
 from zerofx.passes.bucket_allreduce import bucket_allreduce
 from zerofx.passes.context import PassContext
 from zerofx.passes.pipeline import Pipeline, pipeline
+from zerofx.passes.gather_params import gather_params
+from zerofx.passes.propagate_shard_shapes import propagate_shard_shapes
+from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
+from zerofx.passes.shard_optimizer_state import shard_optimizer_state
 
-__all__ = ["PassContext", "Pipeline", "pipeline", "broadcast_buffers", "bucket_allreduce", "remove_profiler_ops"]
+__all__ = ["PassContext", "Pipeline", "pipeline", "allgather_params", "broadcast_buffers", "bucket_allreduce",
+           "gather_params", "propagate_shard_shapes", "reduce_scatter_grads", "remove_profiler_ops",
+           "shard_optimizer_state"]

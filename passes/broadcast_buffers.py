@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 from zerofx import collectives
-from zerofx.passes.bucket_allreduce import split_into_views
+from zerofx.passes.flat_collectives import split_into_views
 from zerofx.passes.context import PassContext
 from zerofx.passes.graph_edit import add_call
 from zerofx.step_graph import Role, StepGraph

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
 from zerofx import collectives
 from zerofx.passes.bucketing import plan_buckets
 from zerofx.passes.context import PassContext
+from zerofx.passes.flat_collectives import categorize, split_into_views
 from zerofx.passes.graph_edit import add_call, first_user_after
 from zerofx.step_graph import Role, StepGraph
 
@@ -40,10 +39,11 @@ def bucket_allreduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with graph.inserting_before(last.next):  # nodes land in the order they are added
             flat_views = [add_call(graph, aten.view.default, (g, [-1]), like=last) for g in nodes]
             flat = add_call(graph, aten.cat.default, (flat_views,), like=last)
-            reduced = add_call(graph, collectives.all_reduce, (flat, "avg", ctx.group_name, ctx.world_size),
-                               like=last, val=flat.meta["val"])
+            reduced = categorize(add_call(graph, collectives.all_reduce,
+                                          (flat, "avg", ctx.group_name, ctx.world_size),
+                                          like=last, val=flat.meta["val"]), "grad")
         with graph.inserting_before(reader if reader is not None else reduced.next):
-            views = split_into_views(graph, reduced, nodes, like=reader or reduced)
+            views = split_into_views(graph, reduced, nodes, like=reader or reduced, category="grad")
         for g, view in zip(nodes, views):
             for user in list(g.users):
                 if user not in flat_views and sg.order.get(user, -1) > sg.order[last]:
@@ -52,14 +52,3 @@ def bucket_allreduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gm.recompile()
     return gm
 
-
-def split_into_views(graph: fx.Graph, pending: fx.Node, like_nodes: list[fx.Node], like: fx.Node) -> list[fx.Node]:
-    """Wait for the collective on ``pending`` and cut the flat result into views shaped like ``like_nodes``."""
-    done = add_call(graph, collectives.wait, (pending,), like=like, val=pending.meta["val"])
-    sizes = [n.meta["val"].numel() for n in like_nodes]
-    pieces = add_call(graph, aten.split_with_sizes.default, (done, sizes), like=like)
-    views = []
-    for i, n in enumerate(like_nodes):
-        piece = add_call(graph, operator.getitem, (pieces, i), like=like)
-        views.append(add_call(graph, aten.view.default, (piece, list(n.meta["val"].shape)), like=like))
-    return views

@@ -12,4 +12,6 @@ class PassContext:
     world_size: int
     group_name: str | None  # resolved by the functional collectives; None when world_size is 1
     bucket_bytes: int
+    prefetch: int = 1  # stage 3: all-gathers issued this many buckets ahead of use
+    reshard_after_forward: bool = True  # stage 3: gather again in backward instead of keeping forward's copies
     artifacts: dict[str, Any] = field(default_factory=dict)  # what passes leave for the runtime and reports

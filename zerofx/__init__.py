@@ -9,9 +9,10 @@ from zerofx.api import CompiledStep, Config, compile
 from zerofx.collectives import CollectiveRecord
 from zerofx.errors import CaptureError, RankMismatchError
 from zerofx.memory import LiveStorageTracker
+from zerofx.state_dict import full_state_dict, load_full_state_dict
 from zerofx.stats import StepStats
 
 __all__ = [
     "compile", "CompiledStep", "Config", "CaptureError", "RankMismatchError", "StepStats", "CollectiveRecord",
-    "LiveStorageTracker", "passes",
+    "LiveStorageTracker", "passes", "full_state_dict", "load_full_state_dict",
 ]

@@ -14,8 +14,10 @@ import torch.nn as nn
 
 from zerofx import collectives, guards, optim_support, ranks, runtime
 from zerofx.capture import StepBinding
+from zerofx.memory import StepProbe
 from zerofx.passes import PassContext
-from zerofx.stats import StepStats
+from zerofx.sharded_state import ShardedState
+from zerofx.stats import StepStats, measure
 
 log = logging.getLogger("zerofx")
 
@@ -24,24 +26,32 @@ log = logging.getLogger("zerofx")
 class Config:
     stage: int = 0
     bucket_bytes: int = 25 * 2**20
+    prefetch: int = 1  # stage 3: all-gathers issued this many buckets ahead of their first use
+    reshard_after_forward: bool = True  # stage 3: free gathered parameters after forward, gather again in backward
     dump_dir: str | None = None
     verify_ranks: bool = True  # one 8-byte all-gather per step: a rank that diverges raises instead of hanging
+    track_memory: bool = False  # run node by node and measure peak and gradient bytes (slower)
 
     def __post_init__(self):
-        if self.stage not in (0,):
-            raise ValueError(f"stage={self.stage!r}: zerofx implements stage 0 so far")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
 
 
-def compile(train_step=None, *, stage: int = 0, bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None,
-            verify_ranks: bool = True):
-    """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it data-parallel.
+def compile(train_step=None, *, stage: int = 0, bucket_bytes: int = 25 * 2**20, prefetch: int = 1,
+            reshard_after_forward: bool = True, dump_dir: str | None = None, verify_ranks: bool = True,
+            track_memory: bool = False):
+    """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
+    ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
-    Usable as ``step = zerofx.compile(train_step, stage=0)`` or as a decorator ``@zerofx.compile(stage=0)``.
+    Usable as ``step = zerofx.compile(train_step, stage=3)`` or as a decorator ``@zerofx.compile(stage=3)``.
     ``dump_dir`` (or the environment variable ``ZEROFX_DUMP``) writes the graph after capture and after each pass.
     """
-    config = Config(stage, bucket_bytes, dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks)
+    config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
+                    dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -55,9 +65,13 @@ class CompiledStep:
         self._cache: dict[tuple, runtime.CompiledGraph] = {}
         self._binding: StepBinding | None = None
         self._binding_ids: tuple = ()
+        self._args: tuple = ()
+        self._owned: ShardedState | None = None
+        self._owned_parts: dict | None = None
         self._last_key: dict | None = None
         self._last: runtime.CompiledGraph | None = None
         self._last_records: list = []
+        self._last_probe: StepProbe | None = None
 
     def __call__(self, *args):
         with collectives.recording() as records:
@@ -67,10 +81,11 @@ class CompiledStep:
 
     def _step(self, args: tuple):
         binding = self._bind(args)
+        self._args = args
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
-        world_size, group_name = runtime.world()
-        key = guards.step_key(binding, args)
+        world_size, rank, group_name = runtime.world()
+        key = guards.step_key(binding, args, self._owned_parts)
         if world_size > 1 and self.config.verify_ranks:
             ranks.verify_same(guards.key_hash(key), "the step's inputs",
                               lambda: guards.describe_change({}, key) if self._last_key is None
@@ -83,15 +98,22 @@ class CompiledStep:
             ranks.verify_same(compiled.fingerprint, "the captured graph",
                               lambda: f"graph fingerprint {compiled.fingerprint:x}")
             compiled.verified = True
+        if self.config.stage >= 1 and self._owned is None:
+            self._owned = ShardedState.take(binding, args, compiled.ctx.artifacts["layouts"], self.config.stage, rank)
+            self._owned_parts = guards.owned_parts(key)
         self._last_key, self._last = key, compiled
-        return runtime.execute(compiled, binding, args)
+        self._last_probe = StepProbe(compiled.gm) if self.config.track_memory else None
+        return runtime.execute(compiled, binding, args, self._owned, self._last_probe)
 
     def _bind(self, args: tuple) -> StepBinding:
         ids = tuple(id(a) for a in args if isinstance(a, (nn.Module, torch.optim.Optimizer)))
         if self._binding is None or ids != self._binding_ids:
+            if self._owned is not None:
+                raise RuntimeError("this step owns the sharded state of the model and optimizer it first ran with; "
+                                   "compile a new step for other ones")
             first = self._binding is None
             self._binding, self._binding_ids = StepBinding.from_args(args), ids
-            world_size, _ = runtime.world()
+            world_size, _, _ = runtime.world()
             if first and world_size > 1:
                 runtime.sync_module_states(self._binding)
         return self._binding
@@ -105,8 +127,9 @@ class CompiledStep:
             dump_dir = os.path.join(dump_dir, f"trace{len(self._cache)}")
         if dump_dir and world_size > 1 and dist.get_rank() != 0:
             dump_dir = None  # the graph is the same on every rank: rank 0 writes it
-        ctx = PassContext(self.config.stage, world_size, group_name, self.config.bucket_bytes)
-        compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir)
+        c = self.config
+        ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes, c.prefetch, c.reshard_after_forward)
+        compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned)
         self._cache[frozen] = compiled
         return compiled
 
@@ -121,9 +144,8 @@ class CompiledStep:
         return self._last.snapshots[name]
 
     def stats(self) -> StepStats:
+        """What the last step did: its collectives and communication volume, model-state bytes and peak."""
         if self._last is None:
             raise RuntimeError("the step has not run yet: call it once before asking for its stats")
-        binding = self._binding
-        num_params = sum(p.numel() for p in binding.params.values() if p.requires_grad)
-        return StepStats(self.config.stage, self._last.ctx.world_size, num_params, list(self._last_records),
-                         traces=len(self._cache))
+        return measure(self.config, self._last, self._binding, self._args, self._owned, self._last_records,
+                       self._last_probe, traces=len(self._cache))

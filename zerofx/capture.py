@@ -133,8 +133,10 @@ def input_slots(binding: StepBinding, args: tuple) -> list[Slot]:
     return slots
 
 
-def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_trace: bool) -> list[torch.Tensor]:
-    """The tensors to feed the graph for ``slots``. For tracing, trainable parameters are leaves requiring grad."""
+def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_trace: bool,
+                 override: Callable[[Slot], Any] | None = None) -> list:
+    """The values to feed the graph for ``slots``: from ``override`` (the state a sharded step owns) where it has
+    one, else from the module, optimizer and batch. For tracing, trainable parameters are leaves requiring grad."""
     optimizers = binding.optimizers(args)
     by_fqn = {}
     for oi, opt in enumerate(optimizers):
@@ -144,7 +146,11 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
     batch_iter = iter(batch_leaves)
     values = []
     for s in slots:
-        if s.role == Role.PARAM:
+        owned = override(s) if override is not None else None
+        if owned is not None:
+            values.append(owned.requires_grad_(True) if for_trace and s.role == Role.PARAM
+                          and binding.params[s.fqn].requires_grad else owned)
+        elif s.role == Role.PARAM:
             p = binding.params[s.fqn]
             values.append(p.detach().requires_grad_(p.requires_grad) if for_trace else p.detach())
         elif s.role == Role.BUFFER:
@@ -224,8 +230,10 @@ class _PhaseRecorder:
                 node.meta[TAG] = NodeTag(Phase.OPTIMIZER if node.op == "output" else Phase.FORWARD, self.microbatch)
 
 
-def capture(train_step: Callable, binding: StepBinding, args: tuple) -> CapturedStep:
-    """Trace ``train_step(*args)`` with fake tensors into a tagged ATen graph. Nothing real is computed or changed."""
+def capture(train_step: Callable, binding: StepBinding, args: tuple,
+            override: Callable[[Slot], Any] | None = None) -> CapturedStep:
+    """Trace ``train_step(*args)`` with fake tensors into a tagged ATen graph. Nothing real is computed or changed.
+    ``override`` supplies stand-ins for state the module no longer holds (a sharded step re-tracing)."""
     import time
 
     start = time.perf_counter()
@@ -234,7 +242,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple) -> Captured
     for opt in optimizers:
         optim_support.init_lazy_state(opt)
     slots = input_slots(binding, args)
-    real_inputs = input_values(binding, args, slots, for_trace=True)
+    real_inputs = input_values(binding, args, slots, for_trace=True, override=override)
     batch_structure = binding.batch(args)
     recorder = _PhaseRecorder()
     out_slots: list[tuple[Slot, bool]] = []  # (slot, keep as a graph output)
@@ -479,6 +487,7 @@ def _tag_outputs(graph: fx.Graph, out_slots: list[tuple[Slot, bool]]) -> list[Sl
         elif isinstance(value, fx.Node):
             value.meta[TAG].slots.append(slot)
     output.args = (kept_values,)
+    output.meta[TAG].slots = kept_slots  # passes that drop or add outputs keep this list in step
     return kept_slots
 
 

@@ -24,7 +24,7 @@ class CollectiveRecord:
     numel: int  # elements of the full buffer (the gathered or the reduced one)
     dtype: torch.dtype
     group_size: int
-    purpose: str = "data"  # "data" (gradients, parameters, buffers) or "control"
+    purpose: str = "data"  # "data" (parameters, gradients), "buffers" (DDP's buffer broadcast) or "control"
 
     @property
     def nbytes(self) -> int:
@@ -61,7 +61,9 @@ def group_name(group: dist.ProcessGroup | None = None) -> str:
 
 def all_reduce(tensor: torch.Tensor, op: str, group: str, group_size: int) -> torch.Tensor:
     """Asynchronous: `wait` on the result before reading it. ``op="avg"`` divides ``tensor`` (in place) first, as
-    DDP's default hook does, so the sum over ranks is the mean."""
+    DDP's default hook does, so the sum over ranks is the mean. On one rank every collective here is the identity."""
+    if group_size == 1:
+        return tensor
     _record("all_reduce", tensor, tensor.numel(), group_size)
     if op == "avg":
         tensor.div_(group_size)
@@ -70,13 +72,34 @@ def all_reduce(tensor: torch.Tensor, op: str, group: str, group_size: int) -> to
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: str, group_size: int) -> torch.Tensor:
-    """Asynchronous: `wait` on the result before reading it."""
-    _record("broadcast", tensor, tensor.numel(), group_size)
+    """Asynchronous: `wait` on the result before reading it. Recorded as buffer traffic, apart from the
+    parameter and gradient traffic the paper's formulas count."""
+    _record("broadcast", tensor, tensor.numel(), group_size, purpose="buffers")
     return _c10d.broadcast(tensor, src, group)
 
 
+def all_gather(tensor: torch.Tensor, group: str, group_size: int) -> torch.Tensor:
+    """Asynchronous: the result holds every rank's ``tensor``, rank-major (``group_size * numel`` elements)."""
+    if group_size == 1:
+        return tensor
+    _record("all_gather", tensor, tensor.numel() * group_size, group_size)
+    return _c10d.all_gather_into_tensor(tensor, group_size, group)
+
+
+def reduce_scatter(tensor: torch.Tensor, op: str, group: str, group_size: int) -> torch.Tensor:
+    """Asynchronous: rank r receives the reduction of every rank's r-th chunk. ``op="avg"`` divides ``tensor`` (in
+    place) first, as `all_reduce` does."""
+    if group_size == 1:
+        return tensor
+    _record("reduce_scatter", tensor, tensor.numel(), group_size)
+    if op == "avg":
+        tensor.div_(group_size)
+        op = "sum"
+    return _c10d.reduce_scatter_tensor(tensor, op, group_size, group)
+
+
 def wait(tensor: torch.Tensor) -> torch.Tensor:
-    return _c10d.wait_tensor(tensor)
+    return _c10d.wait_tensor(tensor) if dist.is_initialized() else tensor
 
 
 def all_gather_control(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -94,4 +117,4 @@ def broadcast_control(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGro
     dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group)
 
 
-COLLECTIVES = (all_reduce, broadcast)
+COLLECTIVES = (all_reduce, broadcast, all_gather, reduce_scatter)

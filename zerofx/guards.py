@@ -21,8 +21,9 @@ def _tensor_meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), str(t.dtype), t.device.type)
 
 
-def step_key(binding: StepBinding, args: tuple) -> dict[str, tuple]:
-    """The guard key as named parts, so a re-trace can say what changed."""
+def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | None = None) -> dict[str, tuple]:
+    """The guard key as named parts, so a re-trace can say what changed. ``owned_parts`` replaces the parts
+    describing state a sharded step has taken from the module and optimizer (recorded before it released them)."""
     fqn_of = binding.fqn_of()
     key = {
         "params": tuple((fqn, _tensor_meta(p), p.requires_grad)
@@ -46,15 +47,21 @@ def step_key(binding: StepBinding, args: tuple) -> dict[str, tuple]:
                 elif name not in inputs:
                     guarded.append((name, repr(value)))
             groups.append(tuple(guarded))
-        state = tuple(
+        key[f"optimizer{oi}"] = (type(opt).__name__, tuple(groups))
+        key[f"optimizer{oi}_state"] = tuple(
             (fqn_of[id(p)], tuple((k, _tensor_meta(v) if isinstance(v, torch.Tensor) else repr(v))
                                   for k, v in sorted(s.items())))
             for p, s in opt.state.items()
         )
-        key[f"optimizer{oi}"] = (type(opt).__name__, tuple(groups), state)
     leaves, spec = pytree.tree_flatten(binding.batch(args))
     key["batch"] = (str(spec),) + tuple(_tensor_meta(x) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
+    key.update(owned_parts or {})
     return key
+
+
+def owned_parts(key: dict[str, tuple]) -> dict[str, tuple]:
+    """The parts of ``key`` that describe parameters and optimizer state: fixed once a sharded step owns them."""
+    return {part: value for part, value in key.items() if part == "params" or part.endswith("_state")}
 
 
 def freeze(key: dict[str, tuple]) -> tuple:

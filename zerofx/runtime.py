@@ -12,8 +12,11 @@ import torch.utils._pytree as pytree
 
 from zerofx import collectives, dump
 from zerofx.capture import CapturedStep, StepBinding, capture, input_values
+from zerofx.errors import CaptureError
+from zerofx.memory import StepProbe
 from zerofx.passes import PassContext, pipeline
-from zerofx.step_graph import Role
+from zerofx.sharded_state import ShardedState
+from zerofx.step_graph import Role, Slot, StepGraph
 
 
 @dataclass
@@ -21,6 +24,8 @@ class CompiledGraph:
     captured: CapturedStep
     gm: fx.GraphModule
     ctx: PassContext
+    input_slots: list[Slot]
+    output_slots: list[Slot]
     snapshots: dict[str, fx.GraphModule] = field(default_factory=dict)  # "capture" and each pass's name
     verified: bool = False
 
@@ -35,11 +40,18 @@ def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     graph._codegen = gm.graph._codegen
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    copy = fx.GraphModule(gm, graph)
+    for old, new in zip(gm.graph.nodes, copy.graph.nodes):
+        new.meta = dict(old.meta)  # the output node too: it carries the output slots
+    return copy
 
 
-def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None) -> CompiledGraph:
-    captured = capture(train_step, binding, args)
+def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
+          state: ShardedState | None) -> CompiledGraph:
+    captured = capture(train_step, binding, args, override=state.trace_value if state else None)
+    if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
+        raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
+                           hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
     snapshots = {"capture": snapshot(captured.gm)}
     if dump_dir:
         dump.write(dump_dir, 0, "capture", captured.gm)
@@ -50,19 +62,21 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
             dump.write(dump_dir, index, name, gm)
 
     gm = pipeline(ctx.stage).run(captured.gm, ctx, after_each)
-    return CompiledGraph(captured, gm, ctx, snapshots)
+    sg = StepGraph(gm)
+    return CompiledGraph(captured, gm, ctx, sg.input_slots(), sg.output_slots(), snapshots)
 
 
-def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple):
+def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: ShardedState | None,
+            probe: StepProbe | None = None):
     """Run the graph on this rank's state and batch; write back what eager would leave behind; return the user's
-    output."""
-    captured = compiled.captured
-    inputs = input_values(binding, args, captured.inputs, for_trace=False)
+    output. With a ``probe`` the graph runs node by node and the probe measures its memory."""
+    inputs = input_values(binding, args, compiled.input_slots, for_trace=False,
+                          override=state.lookup if state else None)
     with torch.no_grad():
-        outputs = compiled.gm(*inputs)
-    user_leaves = dict(captured.user_out_constants)
+        outputs = probe.run_step(inputs, roots=inputs) if probe else compiled.gm(*inputs)
+    user_leaves = dict(compiled.captured.user_out_constants)
     optimizers = binding.optimizers(args)
-    for slot, value in zip(captured.outputs, outputs):
+    for slot, value in zip(compiled.output_slots, outputs):
         if slot.role == Role.USER_OUTPUT:
             user_leaves[int(slot.key)] = value
         elif slot.role == Role.GRAD_OUT:
@@ -71,12 +85,12 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple):
             optimizers[slot.optimizer].state[binding.params[slot.fqn]][slot.key] = value
         elif slot.role == Role.NEW_BUFFER:
             _set_buffer(binding, args, slot.fqn, value)
-    left_grads = {s.fqn for s in captured.outputs if s.role == Role.GRAD_OUT}
+    left_grads = {s.fqn for s in compiled.output_slots if s.role == Role.GRAD_OUT}
     for fqn, p in binding.params.items():
         if p.requires_grad and fqn not in left_grads:
-            p.grad = None  # the step left no gradient (zero_grad at its end)
+            p.grad = None  # the step left no gradient (zero_grad at its end, or a sharded stage)
     leaves = [user_leaves[i] for i in range(len(user_leaves))]
-    return pytree.tree_unflatten(leaves, captured.user_out_spec)
+    return pytree.tree_unflatten(leaves, compiled.captured.user_out_spec)
 
 
 def _set_buffer(binding: StepBinding, args: tuple, fqn: str, value: torch.Tensor) -> None:
@@ -104,8 +118,9 @@ def sync_module_states(binding: StepBinding) -> None:
             offset += t.numel()
 
 
-def world() -> tuple[int, str | None]:
+def world() -> tuple[int, int, str | None]:
+    """(world size, rank, group name) of the default group; (1, 0, None) without one."""
     if dist.is_available() and dist.is_initialized():
         size = dist.get_world_size()
-        return size, (collectives.group_name() if size > 1 else None)
-    return 1, None
+        return size, dist.get_rank(), (collectives.group_name() if size > 1 else None)
+    return 1, 0, None

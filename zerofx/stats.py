@@ -1,10 +1,20 @@
-"""What a step reports about itself: `StepStats`, read with ``step.stats()``."""
+"""What a step reports about itself: `StepStats`, read with ``step.stats()``.
+
+Bytes are measured, never derived from the formula: persistent state by the storages the step holds between steps,
+gradients and the peak by `StepProbe` over live storages (``track_memory=True``). Communication is counted from the
+records of the collectives the step actually issued, by ring accounting: each rank sends (N-1)/N of the full buffer
+per all-gather or reduce-scatter and 2(N-1)/N per all-reduce.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from zerofx import formulas
 from zerofx.collectives import CollectiveRecord
+from zerofx.memory import storage_bytes
 
 
 @dataclass
@@ -13,7 +23,51 @@ class StepStats:
     world_size: int
     num_params: int  # Ψ: elements of the distinct trainable parameters
     collectives: list[CollectiveRecord] = field(default_factory=list)  # the last step's, in issue order
+    comm_volume: float = 0.0  # elements this rank sent for parameters and gradients in the last step
+    model_state_bytes: dict[str, int | None] = field(default_factory=dict)
+    peak_bytes: int | None = None
+    formula: formulas.Formula | None = None
     traces: int = 0  # graphs captured so far (one per guard key)
+
+    @property
+    def comm_volume_psi(self) -> float:
+        return self.comm_volume / self.num_params
 
     def data_collectives(self) -> list[CollectiveRecord]:
         return [r for r in self.collectives if r.purpose == "data"]
+
+    def other_collectives(self) -> list[CollectiveRecord]:
+        """Buffer broadcasts and control exchanges (rank agreement): small, listed apart from the formula's."""
+        return [r for r in self.collectives if r.purpose != "data"]
+
+
+def ring_volume(records: list[CollectiveRecord]) -> float:
+    total = 0.0
+    for r in records:
+        share = (r.group_size - 1) / r.group_size
+        total += r.numel * share * (2 if r.kind == "all_reduce" else 1)
+    return total
+
+
+def measure(config, compiled, binding, args, owned, records, probe, traces: int) -> StepStats:
+    trainable = [p for p in binding.params.values() if p.requires_grad or owned is not None]
+    num_params = sum(layout.numel for layout in owned.layouts.values()) if owned else \
+        sum(p.numel() for p in trainable)
+    if owned is not None:
+        params = storage_bytes(owned.params.values())
+        optimizer = storage_bytes(owned.opt_state.values())
+    else:
+        params = storage_bytes(p for p in binding.params.values() if p.requires_grad)
+        optimizer = storage_bytes(v for opt in binding.optimizers(args) for s in opt.state.values()
+                                  for v in s.values() if isinstance(v, torch.Tensor))
+    grads = probe.grad_bytes if probe else None
+    state = {"params": params, "grads": grads, "master_params": 0, "optimizer_states": optimizer}
+    state["total"] = None if grads is None else params + grads + optimizer
+    element = next(iter(binding.params.values())).dtype.itemsize
+    opt = binding.optimizers(args)[0]
+    formula = formulas.formula(config.stage, b_param=element, b_grad=element,
+                               k_optimizer=formulas.optimizer_bytes_per_param(opt),
+                               reshard_after_forward=config.reshard_after_forward)
+    return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),
+                     ring_volume([r for r in records if r.purpose == "data"]), state,
+                     probe.peak_bytes if probe else None, formula, traces)

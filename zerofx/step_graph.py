@@ -30,6 +30,7 @@ class Role(str, enum.Enum):
     OPT_STATE = "opt_state"
     HYPERPARAM = "hyperparam"
     BATCH = "batch"
+    RANK = "rank"  # this rank's index (stages 1-3): the graph is the same on every rank, the rank is data
     # values inside the graph
     GRAD = "grad"  # a parameter's gradient as backward leaves it (per micro-batch)
     OPTIMIZER_GRAD = "optimizer_grad"  # the gradient the optimizer reads (after clipping etc.)
@@ -121,6 +122,16 @@ class StepGraph:
 
     def params(self) -> dict[str, fx.Node]:
         return self.placeholders(Role.PARAM)
+
+    def output_slots(self) -> list[Slot]:
+        return tag(self.output).slots
+
+    @property
+    def output(self) -> fx.Node:
+        return next(n for n in reversed(self.graph.nodes) if n.op == "output")
+
+    def input_slots(self) -> list[Slot]:
+        return [tag(n).slots[0] for n in self.graph.nodes if n.op == "placeholder"]
 
     def tagged(self, role: Role, microbatch: int | None = None) -> dict[str, fx.Node]:
         """fqn -> node for every node holding ``role`` (e.g. GRAD of the given micro-batch)."""

@@ -1,0 +1,67 @@
+"""Stages 1-3 on every rank of a gloo pool; test_stages_dist.py calls these."""
+
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zerofx
+from models import gpt_and_adamw, token_batch, train_step
+from nanogpt import GPTConfig
+
+
+def _ddp_full_state(model, opt) -> dict:
+    """DDP's state in the layout of zerofx.full_state_dict (FQN keys)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {"model": {k: v.detach() for k, v in model.state_dict().items()},
+            "optimizer": {names[id(p)]: s for p, s in opt.state.items()}}
+
+
+def parity_with_ddp(rank, world_size, stage, steps=10, bucket_bytes=8 * 1024, reshard_after_forward=True):
+    ref_model, ref_opt = gpt_and_adamw()
+    ddp = DDP(ref_model)
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes,
+                          reshard_after_forward=reshard_after_forward)
+    ref_losses, losses = [], []
+    for i in range(steps):
+        x, y = token_batch(i, rank)
+        ref_losses.append(train_step(ddp, ref_opt, x, y).item())
+        losses.append(step(model, opt, x, y).item())
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    full = zerofx.full_state_dict(step)
+    ref = _ddp_full_state(ref_model, ref_opt)
+    torch.testing.assert_close(full["model"], ref["model"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(full["optimizer"]["state"], ref["optimizer"], rtol=1e-5, atol=1e-7)
+    released = model.wte.weight
+    spans_buckets = len(step.graph().code.split("reduce_scatter(")) - 1
+    return {"released_numel": released.numel(), "reduce_scatters": spans_buckets, "losses": losses}
+
+
+def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshard_after_forward=True,
+               prefetch=1):
+    """One measured step: stats, the layouts, and CommDebugMode's counts around it."""
+    model, opt = gpt_and_adamw(cfg=cfg) if cfg else gpt_and_adamw()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the paper's fp32 Adam: K = 8
+    step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes, track_memory=True,
+                          reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    step(model, opt, *token_batch(0, rank, cfg=cfg) if cfg else token_batch(0, rank))
+    with CommDebugMode() as comm:
+        step(model, opt, *token_batch(1, rank, cfg=cfg) if cfg else token_batch(1, rank))
+    stats = step.stats()
+    layouts = step._owned.layouts if step._owned else {}
+    return {
+        "num_params": stats.num_params,
+        "padded_params": sum(l.padded_numel for l in layouts.values()),
+        "num_param_tensors": len(layouts),
+        "model_state_bytes": stats.model_state_bytes,
+        "peak_bytes": stats.peak_bytes,
+        "comm_volume": stats.comm_volume,
+        "records": [(r.kind, r.numel, r.purpose) for r in stats.collectives],
+        "comm_debug_counts": {str(k): v for k, v in comm.get_comm_counts().items()},
+        "formula_total": stats.formula.evaluate(stats.formula.model_states, stats.num_params, world_size),
+        "formula_comm": stats.formula.evaluate(stats.formula.comm, stats.num_params, world_size),
+        "bucket_sizes": [b.nbytes for b in step._last.ctx.artifacts["grad_buckets"]],
+    }
+
+
+BIG_GPT = GPTConfig(vocab_size=65, block_size=16, n_layer=8, n_head=2, n_embd=32)

@@ -1,0 +1,56 @@
+"""The paper's formulas as sympy expressions: model-state bytes and communication per rank and step.
+
+b_p bytes per stored parameter element, b_g per gradient element, K per parameter for master weights and optimizer
+state; Ψ parameters over N_d ranks; M micro-batches per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+Psi, N_d, b_p, b_g, K = sympy.symbols("Psi N_d b_p b_g K", positive=True)
+
+# per category: (params, grads, master weights + optimizer state)
+_CATEGORIES = {
+    0: (b_p * Psi, b_g * Psi, K * Psi),
+    1: (b_p * Psi, b_g * Psi, K * Psi / N_d),
+    2: (b_p * Psi, b_g * Psi / N_d, K * Psi / N_d),
+    3: (b_p * Psi / N_d, b_g * Psi / N_d, K * Psi / N_d),
+}
+
+
+@dataclass(frozen=True)
+class Formula:
+    stage: int
+    params: sympy.Expr
+    grads: sympy.Expr
+    optimizer: sympy.Expr  # master weights and optimizer state: K
+    comm: sympy.Expr  # elements this rank sends per step
+    bytes_per_element: dict  # {b_p: 4, b_g: 4, K: 8} for fp32 Adam
+
+    @property
+    def model_states(self) -> sympy.Expr:
+        return sympy.simplify(self.params + self.grads + self.optimizer)
+
+    def evaluate(self, expr: sympy.Expr, psi: int, world_size: int) -> float:
+        return float(expr.subs({**self.bytes_per_element, Psi: psi, N_d: world_size}))
+
+
+def formula(stage: int, *, b_param: int = 4, b_grad: int = 4, k_optimizer: int = 8,
+            reshard_after_forward: bool = True) -> Formula:
+    """Stage 0-3 formulas; the defaults are fp32 Adam (the fp32 parameters are the master weights)."""
+    params, grads, optimizer = _CATEGORIES[stage]
+    gathers = 3 if stage == 3 and reshard_after_forward else 2
+    comm = gathers * Psi * (N_d - 1) / N_d
+    return Formula(stage, params, grads, optimizer, comm, {b_p: b_param, b_g: b_grad, K: k_optimizer})
+
+
+def optimizer_bytes_per_param(optimizer) -> int:
+    """K for fp32 state: bytes of optimizer state per parameter element (Adam 8, SGD with momentum 4)."""
+    import torch
+
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 12 if any(g.get("amsgrad") for g in optimizer.param_groups) else 8
+    return 4 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0

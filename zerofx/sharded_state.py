@@ -1,0 +1,81 @@
+"""The state a compiled step owns from stage 1 on: this rank's parameter and optimizer-state shards.
+
+On the first call the step takes the module's parameters and the optimizer's state, keeps what the stage stores
+(stages 1-2: every full parameter, padded; stage 3: this rank's shard; stages 1-3: this rank's shard of each
+optimizer state tensor), and releases the originals: their memory is freed and reading them gives an empty tensor.
+`zerofx.full_state_dict(step)` gathers the full state back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zerofx.capture import StepBinding
+from zerofx.sharding import ParamLayout
+from zerofx.step_graph import Role, Slot
+
+
+@dataclass
+class ShardedState:
+    stage: int
+    rank: int
+    layouts: dict[str, ParamLayout]
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    opt_state: dict[tuple[int, str, str], torch.Tensor] = field(default_factory=dict)  # (optimizer, fqn, key)
+    sharded_state_keys: set[tuple[int, str, str]] = field(default_factory=set)
+
+    @classmethod
+    def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
+             rank: int) -> "ShardedState":
+        state = cls(stage, rank, layouts)
+        for fqn, layout in layouts.items():
+            p = binding.params[fqn]
+            state.params[fqn] = layout.padded_flat(p) if stage < 3 else layout.shard_of(p, rank)
+        fqn_of = binding.fqn_of()
+        for oi, opt in enumerate(binding.optimizers(args)):
+            for p, entries in opt.state.items():
+                fqn = fqn_of[id(p)]
+                for key, value in entries.items():
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    if fqn in layouts and tuple(value.shape) == layouts[fqn].shape:
+                        state.opt_state[(oi, fqn, key)] = layouts[fqn].shard_of(value, rank)
+                        state.sharded_state_keys.add((oi, fqn, key))
+                    else:
+                        state.opt_state[(oi, fqn, key)] = value  # scalars (Adam's step) stay whole
+        state._release(binding, args)
+        return state
+
+    def _release(self, binding: StepBinding, args: tuple) -> None:
+        for fqn in self.layouts:
+            p = binding.params[fqn]
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.grad = None
+        for opt in binding.optimizers(args):
+            for entries in opt.state.values():
+                for key, value in entries.items():
+                    if isinstance(value, torch.Tensor):
+                        entries[key] = torch.empty(0, dtype=value.dtype, device=value.device)
+
+    def lookup(self, slot: Slot):
+        """The tensor (or rank) the graph input ``slot`` takes from this state; None where the module owns it."""
+        if slot.role == Role.RANK:
+            return self.rank
+        if slot.role == Role.PARAM:
+            return self.params.get(slot.fqn)
+        if slot.role == Role.OPT_STATE:
+            return self.opt_state.get((slot.optimizer, slot.fqn, slot.key))
+        return None
+
+    def trace_value(self, slot: Slot):
+        """A stand-in of the full shape for a re-trace after the originals were released (never read)."""
+        if slot.role == Role.PARAM and slot.fqn in self.layouts:
+            layout = self.layouts[slot.fqn]
+            return torch.empty(layout.shape, dtype=layout.dtype, device=self.params[slot.fqn].device)
+        if slot.role == Role.OPT_STATE and (slot.optimizer, slot.fqn, slot.key) in self.sharded_state_keys:
+            layout = self.layouts[slot.fqn]
+            value = self.opt_state[(slot.optimizer, slot.fqn, slot.key)]
+            return torch.empty(layout.shape, dtype=value.dtype, device=value.device)
+        return self.opt_state.get((slot.optimizer, slot.fqn, slot.key)) if slot.role == Role.OPT_STATE else None
