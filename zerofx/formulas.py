@@ -32,7 +32,7 @@ class Formula:
 
     @property
     def model_states(self) -> sympy.Expr:
-        return sympy.simplify(self.params + self.grads + self.optimizer)
+        return self.params + self.grads + self.optimizer
 
     def evaluate(self, expr: sympy.Expr, psi: int, world_size: int) -> float:
         return float(expr.subs({**self.bytes_per_element, Psi: psi, N_d: world_size}))

@@ -35,6 +35,10 @@ class LiveStorageTracker(TorchDispatchMode):
             self._live[ref.cdata] = (ref, nbytes)
             self.live_bytes += nbytes
 
+    def live_by_storage(self) -> dict[int, int]:
+        self._sweep()
+        return {key: nbytes for key, (ref, nbytes) in self._live.items()}
+
     def _sweep(self) -> None:
         for key, (ref, nbytes) in list(self._live.items()):
             if ref.expired():
@@ -56,38 +60,72 @@ class LiveStorageTracker(TorchDispatchMode):
 
 
 class StepProbe(fx.Interpreter):
-    """Runs a step graph node by node under a `LiveStorageTracker`: the step's peak, and the bytes of gradient
-    storage alive when backward ends (the last backward node, after the last reduce-scatter a stage issues there).
+    """Runs a step graph node by node under a `LiveStorageTracker` and measures, from the live storages:
 
-    Which storages hold gradients comes from the graph (nodes backward leaves as gradients, buffers a communication
-    pass marks ``grad``); how many bytes they hold comes from the live storages themselves.
+    - ``peak_bytes`` and ``at_peak``, the bytes alive at that moment by what they hold;
+    - ``grad_bytes``, gradient storage alive when backward ends (its last node, after the reduce-scatters a stage
+      issues inside backward).
+
+    What a storage holds comes from the graph: the role of the input it entered by (parameters, optimizer state,
+    batch), gradients (nodes backward leaves as gradients, buffers a communication pass marks ``grad``), gathered
+    parameters (buffers a pass marks ``gathered_param``); everything else forward and backward allocate counts as
+    ``activations`` (saved activations and temporaries alike). How many bytes comes from the storages themselves.
     """
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
         backward = [n for n in gm.graph.nodes if n.op == "call_function" and tag(n) and tag(n).phase == Phase.BACKWARD]
         self._end_of_backward = backward[-1] if backward else None
-        self._grad_storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._category: dict[int, tuple[StorageWeakRef, str]] = {}  # a freed storage's key can be reused
+        self._tracker: LiveStorageTracker | None = None
         self.grad_bytes = 0
         self.peak_bytes = 0
+        self.at_peak: dict[str, int] = {}
 
     def run_step(self, inputs: list, roots=()):
         with LiveStorageTracker(roots) as tracker:
+            self._tracker = tracker
             out = self.run(*inputs)
         self.peak_bytes = tracker.peak_bytes
         return out
 
     def run_node(self, n: fx.Node):
         result = super().run_node(n)
-        t = tag(n)
-        if (t is not None and t.has(Role.GRAD)) or n.meta.get("zerofx_category") == "grad":
-            for value in pytree.tree_leaves(result):
-                if isinstance(value, torch.Tensor):
-                    ref = StorageWeakRef(value.untyped_storage())
-                    self._grad_storages[ref.cdata] = (ref, value.untyped_storage().nbytes())
+        category = _category_of(n)
+        for value in pytree.tree_leaves(result):
+            if isinstance(value, torch.Tensor):
+                ref = StorageWeakRef(value.untyped_storage())
+                known = self._category.get(ref.cdata)
+                if known is None or known[0].expired() or category in ("grads", "gathered_params"):
+                    self._category[ref.cdata] = (ref, category)
+        live = self._tracker.live_by_storage()
+        if self._tracker.live_bytes >= sum(self.at_peak.values()):
+            self.at_peak = {}
+            for key, nbytes in live.items():
+                name = self.category(key)
+                self.at_peak[name] = self.at_peak.get(name, 0) + nbytes
         if n is self._end_of_backward:
-            self.grad_bytes = sum(nbytes for ref, nbytes in self._grad_storages.values() if not ref.expired())
+            self.grad_bytes = sum(b for k, b in live.items() if self.category(k) == "grads")
         return result
+
+    def category(self, key: int) -> str:
+        known = self._category.get(key)
+        return known[1] if known is not None and not known[0].expired() else "activations"
+
+
+_INPUT_CATEGORY = {Role.PARAM: "params", Role.OPT_STATE: "optimizer_states", Role.BATCH: "batch",
+                   Role.BUFFER: "buffers", Role.GRAD_IN: "grads"}
+
+
+def _category_of(n: fx.Node) -> str:
+    t = tag(n)
+    if n.op == "placeholder" and t is not None and t.slots:
+        return _INPUT_CATEGORY.get(t.slots[0].role, "activations")
+    if (t is not None and t.has(Role.GRAD)) or n.meta.get("zerofx_category") == "grad":
+        return "grads"
+    if n.meta.get("zerofx_category") == "gathered_param":
+        return "gathered_params"
+    return "activations"
 
 
 def storage_bytes(tensors) -> int:

@@ -1,0 +1,53 @@
+"""``zerofx.report(step)``: the last step's measured model states and communication next to the paper's formula."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from zerofx.formulas import N_d, Psi
+
+
+def report(step, *, print_output: bool = True) -> str:
+    stats = step.stats()
+    f = stats.formula
+    n, psi = stats.world_size, stats.num_params
+    measured = stats.model_state_bytes
+    rows = []
+    for name, expr, value in [
+        ("params", f.params, measured["params"]),
+        ("grads (end of backward)", f.grads, measured["grads"]),
+        ("master params + optimizer states", f.optimizer,
+         measured["master_params"] + measured["optimizer_states"]),
+        ("model states total", f.model_states, measured["total"]),
+    ]:
+        rows.append([name, _fmt(value), str(expr), _fmt(f.evaluate(expr, psi, n))])
+    rows.append(["communication (elements sent)", _fmt(stats.comm_volume), str(f.comm),
+                 _fmt(f.evaluate(f.comm, psi, n))])
+    rows.append(["peak (all live tensors)", _fmt(stats.peak_bytes), "", ""])
+    bytes_per = ", ".join(f"{k}={v}" for k, v in f.bytes_per_element.items())
+    title = (f"zerofx stage {stats.stage}: {n} ranks, Psi = {psi} parameters ({bytes_per}); "
+             f"bytes per rank unless noted")
+    text = title + "\n" + tabulate(rows, headers=["", "measured", "formula", "formula value"],
+                                   disablenumparse=True)
+    if stats.other_collectives():
+        text += f"\n+ {len(stats.other_collectives())} small collectives outside the formula (rank check, buffers)"
+    if print_output:
+        print(text)
+    return text
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "n/a (track_memory=False)"
+    return f"{value:,.0f}"
+
+
+def paper_table(psi: float = 7.5e9, world_size: int = 64) -> str:
+    """The paper's model-state figures for mixed-precision Adam (b_p = b_g = 2, K = 12), in GB."""
+    from zerofx.formulas import formula
+
+    rows = []
+    for stage in range(4):
+        f = formula(stage, b_param=2, b_grad=2, k_optimizer=12)
+        rows.append([stage, str(f.model_states), f"{f.evaluate(f.model_states, psi, world_size) / 1e9:.3g}"])
+    return tabulate(rows, headers=["stage", f"model states ({Psi}, {N_d})", f"GB at Psi={psi:.2g}, N_d={world_size}"])
