@@ -5,7 +5,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
-from models import gpt_and_adamw, token_batch, train_step
+from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
 from nanogpt import GPTConfig
 
 
@@ -41,13 +41,14 @@ def parity_with_ddp(rank, world_size, stage, steps=10, bucket_bytes=8 * 1024, re
 def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshard_after_forward=True,
                prefetch=1):
     """One measured step: stats, the layouts, and CommDebugMode's counts around it."""
-    model, opt = gpt_and_adamw(cfg=cfg) if cfg else gpt_and_adamw()
+    cfg = cfg or TINY_GPT
+    model, opt = gpt_and_adamw(cfg=cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the paper's fp32 Adam: K = 8
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes, track_memory=True,
                           reshard_after_forward=reshard_after_forward, prefetch=prefetch)
-    step(model, opt, *token_batch(0, rank, cfg=cfg) if cfg else token_batch(0, rank))
+    step(model, opt, *token_batch(0, rank, cfg=cfg))
     with CommDebugMode() as comm:
-        step(model, opt, *token_batch(1, rank, cfg=cfg) if cfg else token_batch(1, rank))
+        step(model, opt, *token_batch(1, rank, cfg=cfg))
     stats = step.stats()
     layouts = step._owned.layouts if step._owned else {}
     return {
@@ -65,8 +66,6 @@ def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshar
         "bucket_sizes": [b.nbytes for b in step._last.ctx.artifacts["grad_buckets"]],
     }
 
-
-BIG_GPT = GPTConfig(vocab_size=65, block_size=16, n_layer=8, n_head=2, n_embd=32)
 
 
 ODD_GPT = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=30)  # sizes that need padding

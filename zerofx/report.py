@@ -28,7 +28,7 @@ def report(step, *, print_output: bool = True) -> str:
     title = (f"zerofx stage {stats.stage}: {n} ranks, Psi = {psi} parameters ({bytes_per}); "
              f"bytes per rank unless noted")
     text = title + "\n" + tabulate(rows, headers=["", "measured", "formula", "formula value"],
-                                   disablenumparse=True)
+                                   colalign=("left", "right", "left", "right"))
     if stats.other_collectives():
         text += f"\n+ {len(stats.other_collectives())} small collectives outside the formula (rank check, buffers)"
     if print_output:

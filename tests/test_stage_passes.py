@@ -1,0 +1,165 @@
+"""The stage 1-3 passes on captured graphs, without a process group: placement, liveness, bucket sizes."""
+
+import pytest
+import torch
+
+import zerofx
+from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
+from nanogpt import GPTConfig
+from zerofx import collectives
+from zerofx.capture import StepBinding, capture
+from zerofx.formulas import formula
+from zerofx.passes import PassContext, pipeline
+from zerofx.report import paper_table
+from zerofx.step_graph import Phase, Role, StepGraph, tag
+
+
+def _compiled(stage, world_size=4, bucket_bytes=16 * 1024, cfg=None, **ctx_kwargs):
+    model, opt = gpt_and_adamw(cfg=cfg or TINY_GPT)
+    args = (model, opt, *token_batch(0, 0, cfg=cfg or TINY_GPT))
+    gm = capture(train_step, StepBinding.from_args(args), args).gm
+    ctx = PassContext(stage, world_size, "test", bucket_bytes, **ctx_kwargs)
+    return pipeline(stage).run(gm, ctx), ctx
+
+
+def _calls(gm, fn):
+    return [n for n in gm.graph.nodes if n.target is fn]
+
+
+def test_stage1_keeps_full_gradients_until_backward_ends_and_stage2_does_not():
+    for stage in (1, 2):
+        gm, ctx = _compiled(stage)
+        sg = StepGraph(gm)
+        end_of_backward = sg.order[sg.phase_span(Phase.BACKWARD)[1]]
+        scatters = [sg.order[n] for n in _calls(gm, collectives.reduce_scatter)]
+        grads = sg.tagged(Role.GRAD)
+        last_read = {f: max(sg.order[u] for u in g.users) for f, g in grads.items()}
+        if stage == 1:  # every reduce-scatter after backward; every full gradient alive until then
+            assert min(scatters) > end_of_backward
+            assert min(last_read.values()) > end_of_backward
+        else:  # reduce-scatters inside backward; each full gradient dies when its bucket is packed
+            assert max(scatters) <= end_of_backward
+            assert sum(r < end_of_backward for r in last_read.values()) >= len(grads) - len(
+                ctx.artifacts["grad_buckets"][-1].names)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_stage3_gathered_buckets_live_only_from_prefetch_to_last_use(prefetch):
+    gm, ctx = _compiled(3, prefetch=prefetch)
+    sg = StepGraph(gm)
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        gathers = [n for n in _calls(gm, collectives.all_gather) if tag(n).phase == phase]
+        waits = [next(u for u in g.users if u.target is collectives.wait) for g in gathers]
+        # the bucket's copies: what waits feed, through views and clones, until real compute reads them
+        first_reads = []
+        for i, (g, w) in enumerate(zip(gathers, waits)):
+            copies = _copies_of(w)
+            readers = [u for c in copies for u in c.users if u not in copies]
+            if not readers:  # backward gathers every bucket, as the paper counts, even one it never reads (biases)
+                assert phase == Phase.BACKWARD
+                readers = [max(copies, key=sg.order.__getitem__)]
+            first_reads.append(min(sg.order[u] for u in readers))
+            assert all(tag(u).phase == phase for u in readers)  # dead after its last use in this phase
+            assert sg.order[g] < sg.order[w] < first_reads[-1]
+        for i, g in enumerate(gathers):  # issued no earlier than `prefetch` buckets ahead of its first use
+            earliest = first_reads[max(0, i - prefetch)]
+            previous = first_reads[i - prefetch - 1] if i - prefetch - 1 >= 0 else -1
+            assert previous < sg.order[g] <= earliest
+    assert len(ctx.artifacts["gather_buckets"]) == len(
+        [n for n in _calls(gm, collectives.all_gather) if tag(n).phase == Phase.FORWARD])
+
+
+_COPY_OUT = (torch.ops.aten.view.default, torch.ops.aten.slice.Tensor, torch.ops.aten.clone.default)
+
+
+def _copies_of(wait):
+    """The pass's copy-out chain from a wait: views, slices and clones; whatever reads those reads the bucket."""
+    copies, frontier = set(), [wait]
+    while frontier:
+        node = frontier.pop()
+        for u in node.users:
+            if u.target in _COPY_OUT and u not in copies:
+                copies.add(u)
+                frontier.append(u)
+    return copies
+
+
+def test_backward_reads_no_parameter_copy_from_forward():
+    gm, _ = _compiled(3)
+    for node in gm.graph.nodes:
+        if tag(node).phase == Phase.BACKWARD:
+            assert all(tag(a).phase != Phase.FORWARD or not _is_gathered(a) for a in node.all_input_nodes), node
+
+
+def _is_gathered(node):
+    seen = [node]
+    while seen:
+        n = seen.pop()
+        if n.target is collectives.wait:
+            return True
+        if n.target in (torch.ops.aten.view.default, torch.ops.aten.slice.Tensor, torch.ops.aten.clone.default,
+                        torch.ops.aten.t.default):
+            seen.extend(n.all_input_nodes)
+    return False
+
+
+def test_bucket_buffers_keep_their_size_when_the_model_grows_four_times():
+    bucket_bytes = 16 * 1024
+    small = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    big = GPTConfig(vocab_size=65, block_size=16, n_layer=8, n_head=2, n_embd=32)
+    sizes = {}
+    for name, cfg in (("small", small), ("big", big)):
+        gm, ctx = _compiled(3, cfg=cfg, bucket_bytes=bucket_bytes)
+        gathered = [n.meta["val"].numel() * 4 for n in _calls(gm, collectives.all_gather)]
+        scattered = [n.args[0].meta["val"].numel() * 4 for n in _calls(gm, collectives.reduce_scatter)]
+        sizes[name] = (gathered, scattered, sum(p.numel() for p in gpt_and_adamw(cfg=cfg)[0].parameters()))
+    largest_param = 65 * 32 * 4
+    for gathered, scattered, _ in sizes.values():
+        assert max(gathered + scattered) <= max(bucket_bytes, largest_param)
+    assert sizes["big"][2] > 3 * sizes["small"][2]
+    assert len(sizes["big"][0]) > 3 * len(sizes["small"][0]) - 4  # more buckets, not bigger ones
+    assert max(sizes["big"][0]) == max(sizes["small"][0])
+
+
+class _NormScaledSGD(torch.optim.Optimizer):
+    """A LAMB-like update: the step is scaled by the parameter's own norm, which a shard cannot know."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad * p.norm(), alpha=-group["lr"])
+
+
+def test_a_per_parameter_norm_in_the_optimizer_is_refused_at_stage_1(monkeypatch):
+    from zerofx import optim_support
+
+    monkeypatch.setitem(optim_support.SPECS, _NormScaledSGD,
+                        optim_support.OptimizerSpec(tensor_hyperparams=(("lr", None),), init_state=lambda g, p: {}))
+    model, _ = gpt_and_adamw()
+    opt = _NormScaledSGD(model.parameters())
+    with pytest.raises(zerofx.CaptureError, match="not elementwise"):
+        zerofx.compile(train_step, stage=1)(model, opt, *token_batch(0, 0))
+    model, _ = gpt_and_adamw()  # stage 0 runs it as written
+    zerofx.compile(train_step, stage=0)(model, _NormScaledSGD(model.parameters()), *token_batch(0, 0))
+
+
+def test_the_papers_table():
+    text = paper_table(7.5e9, 64)
+    for figure in ("120", "31.4", "16.6", "1.88"):
+        assert figure in text
+    f = formula(3, b_param=2, b_grad=2, k_optimizer=12)
+    assert f.evaluate(f.model_states, 7.5e9, 64) == pytest.approx(1.875e9)
+
+
+def test_report_shows_measured_next_to_formula():
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(train_step, stage=2, track_memory=True)
+    step(model, opt, *token_batch(0, 0))
+    text = zerofx.report(step, print_output=False)
+    assert "model states total" in text and "K*Psi/N_d" in text and "communication" in text
+    stats = step.stats()
+    assert stats.model_state_bytes["total"] >= stats.formula.evaluate(stats.formula.model_states, stats.num_params, 1)
