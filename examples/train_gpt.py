@@ -22,7 +22,9 @@ parser.add_argument("--steps", type=int, default=60)
 parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--bucket-mb", type=float, default=0.25)
+parser.add_argument("--prefetch", type=int, default=1, help="stage 3: all-gathers issued this many buckets ahead")
 parser.add_argument("--dump-dir", default=None, help="write the graph after capture and after each pass here")
+parser.add_argument("--report", action="store_true", help="measure memory and print zerofx.report at the end")
 args = parser.parse_args()
 
 # --- processes: torchrun sets the environment; one process needs no group ---------------------------------------
@@ -58,7 +60,8 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s +
 
 
 # --- the train step: ordinary PyTorch, compiled once -------------------------------------------------------------
-@zerofx.compile(stage=args.stage, bucket_bytes=int(args.bucket_mb * 2**20), dump_dir=args.dump_dir)
+@zerofx.compile(stage=args.stage, bucket_bytes=int(args.bucket_mb * 2**20), prefetch=args.prefetch,
+                dump_dir=args.dump_dir, track_memory=args.report)
 def train_step(model, optimizer, x, y):
     optimizer.zero_grad()
     loss = model(x, y)
@@ -77,8 +80,9 @@ for step in range(args.steps):
 
 stats = train_step.stats()
 if rank == 0:
-    data_traffic = sum(r.numel for r in stats.data_collectives())
     print(f"stage {stats.stage} on {stats.world_size} rank(s): {stats.num_params} parameters, "
-          f"{len(stats.data_collectives())} collectives moving {data_traffic} elements per step")
+          f"{len(stats.data_collectives())} collectives, {stats.comm_volume_psi:.2f} Psi sent per step and rank")
+    if args.report:
+        zerofx.report(train_step)
 if dist.is_initialized():
     dist.destroy_process_group()
