@@ -8,7 +8,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
-from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
+from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_beside, train_step
 
 
 def _assert_state_close(a: dict, b: dict, rtol: float) -> None:
@@ -21,11 +21,7 @@ def ddp_parity(rank, world_size, model_kind="gpt", steps=10, bucket_bytes=8 * 10
     ddp = DDP(ref_model)
     model, opt = make()
     step = zerofx.compile(train_step, bucket_bytes=bucket_bytes)
-    ref_losses, losses = [], []
-    for i in range(steps):
-        x, y = batch(i, rank)
-        ref_losses.append(train_step(ddp, ref_opt, x, y).item())
-        losses.append(step(model, opt, x, y).item())
+    ref_losses, losses = train_beside(train_step, step, (ddp, ref_opt), (model, opt), batch, rank, steps)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     _assert_state_close(model.state_dict(), ref_model.state_dict(), rtol=1e-5)
     _assert_state_close(opt.state_dict(), ref_opt.state_dict(), rtol=1e-5)

@@ -5,7 +5,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
-from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
+from models import TINY_GPT, gpt_and_adamw, token_batch, train_beside, train_step
 from nanogpt import GPTConfig
 
 
@@ -23,11 +23,7 @@ def parity_with_ddp(rank, world_size, stage, steps=10, bucket_bytes=8 * 1024, re
     model, opt = gpt_and_adamw()
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes,
                           reshard_after_forward=reshard_after_forward)
-    ref_losses, losses = [], []
-    for i in range(steps):
-        x, y = token_batch(i, rank)
-        ref_losses.append(train_step(ddp, ref_opt, x, y).item())
-        losses.append(step(model, opt, x, y).item())
+    ref_losses, losses = train_beside(train_step, step, (ddp, ref_opt), (model, opt), token_batch, rank, steps)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     full = zerofx.full_state_dict(step)
     ref = _ddp_full_state(ref_model, ref_opt)

@@ -50,3 +50,13 @@ def train_step(model, optimizer, x, y):
     loss.backward()
     optimizer.step()
     return loss
+
+
+def train_beside(reference_step, compiled_step, ref_args, args, batch, rank: int, steps: int):
+    """Run the reference (eager or DDP) and the compiled step on the same batches; both loss lists."""
+    ref_losses, losses = [], []
+    for i in range(steps):
+        x, y = batch(i, rank)
+        ref_losses.append(reference_step(*ref_args, x, y).item())
+        losses.append(compiled_step(*args, x, y).item())
+    return ref_losses, losses

@@ -15,6 +15,7 @@ graph's length when a module's forward, ``torch.autograd.backward`` and the opti
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 from unittest import mock
@@ -78,7 +79,9 @@ class StepBinding:
                             hint="pass every module whose parameters the optimizer updates to the train step",
                         )
 
+    @functools.cached_property
     def fqn_of(self) -> dict[int, str]:
+        """id(parameter) -> its fqn."""
         return {id(p): fqn for fqn, p in self.params.items()}
 
     def modules(self, args: tuple) -> list[nn.Module]:
@@ -118,7 +121,7 @@ def input_slots(binding: StepBinding, args: tuple) -> list[Slot]:
     slots = [Slot(Role.PARAM, fqn) for fqn in binding.params]
     slots += [Slot(Role.BUFFER, fqn) for fqn in binding.buffers]
     slots += [Slot(Role.GRAD_IN, fqn) for fqn, p in binding.params.items() if p.requires_grad]
-    fqn_of = binding.fqn_of()
+    fqn_of = binding.fqn_of
     for oi, opt in enumerate(binding.optimizers(args)):
         spec = optim_support.spec_for(opt)
         for gi, group in enumerate(opt.param_groups):
@@ -141,7 +144,7 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
     by_fqn = {}
     for oi, opt in enumerate(optimizers):
         for p, state in opt.state.items():
-            by_fqn[(oi, binding.fqn_of().get(id(p)))] = state
+            by_fqn[(oi, binding.fqn_of.get(id(p)))] = state
     batch_leaves = [leaf for leaf in pytree.tree_leaves(binding.batch(args)) if isinstance(leaf, torch.Tensor)]
     batch_iter = iter(batch_leaves)
     values = []
@@ -350,7 +353,7 @@ def _swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes
     """Point the optimizer at the traced parameters, state and tensor hyperparameters; restore it after."""
     spec = optim_support.spec_for(opt)
     fake_by_id = {}
-    fqn_of = binding.fqn_of()
+    fqn_of = binding.fqn_of
     fake_params = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.PARAM}
     fake_state = {(s.fqn, s.key): fakes[i] for i, s in enumerate(slots)
                   if s.role == Role.OPT_STATE and s.optimizer == oi}

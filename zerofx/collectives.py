@@ -65,10 +65,7 @@ def all_reduce(tensor: torch.Tensor, op: str, group: str, group_size: int) -> to
     if group_size == 1:
         return tensor
     _record("all_reduce", tensor, tensor.numel(), group_size)
-    if op == "avg":
-        tensor.div_(group_size)
-        op = "sum"
-    return _c10d.all_reduce(tensor, op, group)
+    return _c10d.all_reduce(tensor, _average_first(tensor, op, group_size), group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: str, group_size: int) -> torch.Tensor:
@@ -92,10 +89,15 @@ def reduce_scatter(tensor: torch.Tensor, op: str, group: str, group_size: int) -
     if group_size == 1:
         return tensor
     _record("reduce_scatter", tensor, tensor.numel(), group_size)
+    return _c10d.reduce_scatter_tensor(tensor, _average_first(tensor, op, group_size), group_size, group)
+
+
+def _average_first(tensor: torch.Tensor, op: str, group_size: int) -> str:
+    """"avg" as DDP does it: divide in place, then sum."""
     if op == "avg":
         tensor.div_(group_size)
-        op = "sum"
-    return _c10d.reduce_scatter_tensor(tensor, op, group_size, group)
+        return "sum"
+    return op
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ def _tensor_meta(t: torch.Tensor) -> tuple:
 def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | None = None) -> dict[str, tuple]:
     """The guard key as named parts, so a re-trace can say what changed. ``owned_parts`` replaces the parts
     describing state a sharded step has taken from the module and optimizer (recorded before it released them)."""
-    fqn_of = binding.fqn_of()
+    fqn_of = binding.fqn_of
     key = {
         "params": tuple((fqn, _tensor_meta(p), p.requires_grad)
                         for fqn, p in binding.params.items()),

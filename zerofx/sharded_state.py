@@ -33,7 +33,7 @@ class ShardedState:
         for fqn, layout in layouts.items():
             p = binding.params[fqn]
             state.params[fqn] = layout.padded_flat(p) if stage < 3 else layout.shard_of(p, rank)
-        fqn_of = binding.fqn_of()
+        fqn_of = binding.fqn_of
         for oi, opt in enumerate(binding.optimizers(args)):
             for p, entries in opt.state.items():
                 fqn = fqn_of[id(p)]

@@ -18,7 +18,7 @@ from zerofx.sharding import gather_full
 def full_state_dict(step, *, rank0_only: bool = False) -> dict:
     """Every rank must call it (stage 3 gathers). With ``rank0_only`` the other ranks get an empty dict."""
     binding, args, owned = _bound(step)
-    fqn_of = binding.fqn_of()
+    fqn_of = binding.fqn_of
     model = {}
     for name, fqn in binding.param_aliases.items():
         model[name] = _full_param(fqn, binding, owned)
@@ -58,7 +58,7 @@ def load_full_state_dict(step, state_dict: dict) -> None:
                 p.copy_(value)
         for fqn, buf in binding.buffers.items():
             buf.copy_(model[fqn])
-        fqn_of = binding.fqn_of()
+        fqn_of = binding.fqn_of
         opt_sds = state_dict["optimizer"] if isinstance(state_dict["optimizer"], list) else [state_dict["optimizer"]]
         for oi, (opt, sd) in enumerate(zip(binding.optimizers(args), opt_sds)):
             for p, entries in opt.state.items():
