@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils import stateless
 
@@ -195,8 +195,15 @@ class _PhaseRecorder:
         self.microbatch = 0
         self.in_optimizer_step = False
         self.seen_backward = False
-        self.grads_after_backward: list[dict[str, torch.Tensor]] = []
-        self.grads_at_optimizer: dict[str, torch.Tensor] = {}
+        # (node, slot) pairs: the node holding a gradient at the moment of the event. Gradients are updated in
+        # place (accumulation, clipping), so the tensor's final node would be the wrong one.
+        self.grad_nodes: list[tuple[fx.Node, Slot]] = []
+
+    def note_grads(self, fake_params: dict, role: Role) -> None:
+        mode = get_proxy_mode()
+        for fqn, p in fake_params.items():
+            if p.grad is not None:
+                self.grad_nodes.append((get_proxy_slot(p.grad, mode.tracer).proxy.node, Slot(role, fqn)))
 
     def _flush(self, pending_phase: Phase) -> None:
         mode = get_proxy_mode()
@@ -308,6 +315,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
         ) from None
     gm.graph._codegen = fx.graph.CodeGen()  # plain positional inputs and a flat list of outputs
     recorder.tag_rest(gm.graph)
+    for node, slot in recorder.grad_nodes:
+        node.meta[TAG].slots.append(slot)
     _tag_placeholders(gm.graph, slots)
     _check_param_mutations(gm.graph)
     slots = _drop_unread_grads(gm.graph, slots)
@@ -328,7 +337,7 @@ def _hook(handle):
 
 def _on_optimizer_start(recorder: _PhaseRecorder, fake_params: dict) -> None:
     recorder.event("optimizer_start")
-    recorder.grads_at_optimizer = {fqn: p.grad for fqn, p in fake_params.items() if p.grad is not None}
+    recorder.note_grads(fake_params, Role.OPTIMIZER_GRAD)
 
 
 @contextlib.contextmanager
@@ -341,8 +350,7 @@ def _track_backward(recorder: _PhaseRecorder, fake_params: dict):
             return real_backward(*a, **k)
         finally:
             recorder.event("backward_end")
-            recorder.grads_after_backward.append(
-                {fqn: p.grad for fqn, p in fake_params.items() if p.grad is not None})
+            recorder.note_grads(fake_params, Role.GRAD)
 
     with mock.patch.object(torch.autograd, "backward", backward):
         yield
@@ -426,11 +434,6 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
         for name, buf in module.named_buffers(remove_duplicate=False):
             if buf is not None and id(buf) not in fake_buffers:
                 emit(buf, Slot(Role.NEW_BUFFER, binding.buffer_aliases.get(prefix + name, prefix + name)))
-    for grads in recorder.grads_after_backward:
-        for fqn, g in grads.items():
-            emit(g, Slot(Role.GRAD, fqn), keep=False)
-    for fqn, g in recorder.grads_at_optimizer.items():
-        emit(g, Slot(Role.OPTIMIZER_GRAD, fqn), keep=False)
     for fqn, p in fake_params.items():
         if p.requires_grad:
             emit(p, Slot(Role.UPDATED_PARAM, fqn), keep=False)
