@@ -10,6 +10,8 @@ guarantees. Contents, in pipeline order:
 - ``gather_params``: stage 3, gather parameter buckets before forward and backward use them (P_p), with prefetch.
 - ``reduce_scatter_grads``: stages 1-3, gradient shards by bucketed reduce-scatter (after backward at stage 1,
   as buckets become ready at stages 2-3: P_g).
+- ``global_grad_norm``: stages 1-3, a gradient norm over shards (clip_grad_norm_) made global by one scalar
+  all-reduce.
 - ``allgather_params``: stages 1-2, gather the updated parameters after the optimizer.
 - ``propagate_shard_shapes``: stages 1-3, shapes on shards; refuses an update that is not elementwise.
 
@@ -25,11 +27,12 @@ from zerofx.passes.bucket_allreduce import bucket_allreduce
 from zerofx.passes.context import PassContext
 from zerofx.passes.pipeline import Pipeline, pipeline
 from zerofx.passes.gather_params import gather_params
+from zerofx.passes.global_grad_norm import global_grad_norm
 from zerofx.passes.propagate_shard_shapes import propagate_shard_shapes
 from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
 from zerofx.passes.shard_optimizer_state import shard_optimizer_state
 
 __all__ = ["PassContext", "Pipeline", "pipeline", "allgather_params", "broadcast_buffers", "bucket_allreduce",
-           "gather_params", "propagate_shard_shapes", "reduce_scatter_grads", "remove_profiler_ops",
+           "gather_params", "global_grad_norm", "propagate_shard_shapes", "reduce_scatter_grads", "remove_profiler_ops",
            "shard_optimizer_state"]

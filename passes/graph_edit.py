@@ -11,6 +11,10 @@ import torch.utils._pytree as pytree
 from zerofx.step_graph import TAG, NodeTag, Phase
 
 
+INSERTED = "zerofx_inserted"  # node.meta flag: added by a pass (its metadata is set when it is added)
+SHARD = "zerofx_shard"  # node.meta flag: holds this rank's shard of a parameter, its state or its gradient
+
+
 def fake_mode_of(graph: fx.Graph):
     for n in graph.nodes:
         val = n.meta.get("val")
@@ -29,6 +33,7 @@ def add_call(graph: fx.Graph, target: Callable, args: tuple, *, like: fx.Node, p
         with fake_mode_of(graph):
             val = target(*fake_args[0], **fake_args[1])
     node.meta["val"] = val
+    node.meta[INSERTED] = True
     source: NodeTag = like.meta[TAG]
     node.meta[TAG] = NodeTag(phase or source.phase, source.microbatch)
     if "stack_trace" in like.meta:

@@ -13,6 +13,7 @@ from zerofx.passes.bucket_allreduce import bucket_allreduce
 from zerofx.passes.context import PassContext
 from zerofx.passes.allgather_params import allgather_params
 from zerofx.passes.gather_params import gather_params
+from zerofx.passes.global_grad_norm import global_grad_norm
 from zerofx.passes.propagate_shard_shapes import propagate_shard_shapes
 from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
@@ -22,12 +23,12 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 _STAGES: dict[int, tuple[Pass, ...]] = {
     0: (remove_profiler_ops, broadcast_buffers, bucket_allreduce),
-    1: (remove_profiler_ops, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, allgather_params,
-        propagate_shard_shapes),
-    2: (remove_profiler_ops, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, allgather_params,
-        propagate_shard_shapes),
+    1: (remove_profiler_ops, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
+        allgather_params, propagate_shard_shapes),
+    2: (remove_profiler_ops, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
+        allgather_params, propagate_shard_shapes),
     3: (remove_profiler_ops, broadcast_buffers, shard_optimizer_state, gather_params, reduce_scatter_grads,
-        propagate_shard_shapes),
+        global_grad_norm, propagate_shard_shapes),
 }
 
 

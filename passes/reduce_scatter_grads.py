@@ -6,7 +6,8 @@ import torch.fx as fx
 
 from zerofx.passes.bucketing import plan_buckets
 from zerofx.passes.context import PassContext
-from zerofx.passes.flat_collectives import categorize, reduce_scatter_bucket, wait_and_split
+from zerofx.passes.flat_collectives import reduce_scatter_bucket, wait_and_split
+from zerofx.passes.graph_edit import SHARD
 from zerofx.passes.graph_edit import first_user_after
 from zerofx.step_graph import Phase, Role, StepGraph
 
@@ -44,7 +45,7 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             shards = wait_and_split(graph, pending, [l.shard_numel for l in bucket_layouts], like=reader,
                                     category="grad")
         for g, shard in zip(nodes, shards):
-            categorize(shard, "grad")
+            shard.meta[SHARD] = True
             for user in list(g.users):
                 if sg.order.get(user, -1) > sg.order[last]:
                     user.replace_input_with(g, shard)

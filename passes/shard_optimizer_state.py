@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from zerofx.errors import CaptureError, user_frame_from_stack_trace
 from zerofx.passes.context import PassContext
-from zerofx.passes.graph_edit import add_call, fake_mode_of
+from zerofx.passes.graph_edit import SHARD, add_call, fake_mode_of
 from zerofx.sharding import ParamLayout
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, StepGraph, tag
 
@@ -55,6 +55,7 @@ def shard_optimizer_state(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             p.meta["val"] = torch.empty(layout.padded_numel if ctx.stage < 3 else layout.shard_numel,
                                         dtype=layout.dtype)
         if ctx.stage >= 3:
+            p.meta[SHARD] = True
             continue
         with graph.inserting_before(first_op):
             flat = p if layout.padded_numel == layout.numel else \
@@ -63,12 +64,14 @@ def shard_optimizer_state(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             rows = add_call(graph, aten.view.default, (p, [n, layout.shard_numel]), like=p)
             chunk = add_call(graph, aten.select.int, (rows, 0, rank), like=p, phase=Phase.OPTIMIZER,
                              val=rows.meta["val"][0])
+            chunk.meta[SHARD] = True
         for user in users:
             user.replace_input_with(p, chunk if tag(user).in_optimizer_step else full)
 
     for fqn, state in _param_shaped_state(sg, layouts):
         with fake_mode:
             state.meta["val"] = torch.empty(layouts[fqn].shard_numel, dtype=state.meta["val"].dtype)
+        state.meta[SHARD] = True
 
     output = sg.output
     kept = [(v, s) for v, s in zip(output.args[0], tag(output).slots) if s.role != Role.GRAD_OUT]

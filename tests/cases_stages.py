@@ -1,11 +1,14 @@
 """Stages 1-3 on every rank of a gloo pool; test_stages_dist.py calls these."""
 
+import contextlib
+
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
-from models import TINY_GPT, gpt_and_adamw, token_batch, train_beside, train_step
+from models import (TINY_GPT, accumulating_train_step, clipped_train_step, gpt_and_adamw, token_batch,
+                    train_beside, train_step)
 from nanogpt import GPTConfig
 
 
@@ -16,22 +19,52 @@ def _ddp_full_state(model, opt) -> dict:
             "optimizer": {names[id(p)]: s for p, s in opt.state.items()}}
 
 
+STEPS = {"plain": train_step, "clipped": clipped_train_step, "accumulating": accumulating_train_step}
+
+
 def parity_with_ddp(rank, world_size, stage, steps=10, bucket_bytes=8 * 1024, reshard_after_forward=True,
-                    atol=1e-7):
+                    atol=1e-7, noise_atol=1e-7, step_fn="plain"):
     ref_model, ref_opt = gpt_and_adamw()
     ddp = DDP(ref_model)
     model, opt = gpt_and_adamw()
-    step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes,
-                          reshard_after_forward=reshard_after_forward)
-    ref_losses, losses = train_beside(train_step, step, (ddp, ref_opt), (model, opt), token_batch, rank, steps)
+    fn = STEPS[step_fn]
+    step = zerofx.compile(fn, stage=stage, bucket_bytes=bucket_bytes, reshard_after_forward=reshard_after_forward)
+    ref_step = fn if step_fn != "accumulating" else _ddp_accumulating(ddp)
+    ref_losses, losses = train_beside(ref_step, step, (ddp, ref_opt), (model, opt), token_batch, rank, steps)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     full = zerofx.full_state_dict(step)
     ref = _ddp_full_state(ref_model, ref_opt)
-    torch.testing.assert_close(full["model"], ref["model"], rtol=1e-5, atol=atol)
-    torch.testing.assert_close(full["optimizer"]["state"], ref["optimizer"], rtol=1e-5, atol=atol)
+    # The attention key's bias has an analytically zero gradient: its Adam update is rounding noise scaled to lr, so
+    # it alone gets ``noise_atol`` (any ulp of difference upstream, such as a clip coefficient or the order of a
+    # 4-rank sum, shows there); everything else must agree to rtol 1e-5 with ``atol`` for values near zero.
+    for name in ref["model"]:
+        tol = noise_atol if name.endswith("attn.qkv.bias") else atol
+        torch.testing.assert_close(full["model"][name], ref["model"][name], rtol=1e-5, atol=tol, msg=name)
+        if name in ref["optimizer"]:
+            torch.testing.assert_close(full["optimizer"]["state"][name], ref["optimizer"][name], rtol=1e-5,
+                                       atol=tol, msg=name)
     released = model.wte.weight
     spans_buckets = len(step.graph().code.split("reduce_scatter(")) - 1
-    return {"released_numel": released.numel(), "reduce_scatters": spans_buckets, "losses": losses}
+    return {"released_numel": released.numel(), "reduce_scatters": spans_buckets, "losses": losses,
+            "records": [(r.kind, r.numel, r.purpose) for r in step.stats().collectives],
+            "comm_volume": step.stats().comm_volume, "num_params": step.stats().num_params}
+
+
+def _ddp_accumulating(ddp):
+    """DDP's accumulation: no_sync on every micro-batch but the last."""
+    def step(model, optimizer, x, y):
+        optimizer.zero_grad()
+        total = 0.0
+        chunks = list(zip(x.chunk(2), y.chunk(2)))
+        for i, (xs, ys) in enumerate(chunks):
+            context = ddp.no_sync() if i < len(chunks) - 1 else contextlib.nullcontext()
+            with context:
+                loss = model(xs, ys) / 2
+                loss.backward()
+            total = total + loss.detach()
+        optimizer.step()
+        return total
+    return step
 
 
 def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshard_after_forward=True,

@@ -60,3 +60,24 @@ def train_beside(reference_step, compiled_step, ref_args, args, batch, rank: int
         ref_losses.append(reference_step(*ref_args, x, y).item())
         losses.append(compiled_step(*args, x, y).item())
     return ref_losses, losses
+
+
+def clipped_train_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    optimizer.step()
+    return loss
+
+
+def accumulating_train_step(model, optimizer, x, y):
+    """Two micro-batches per step, as gradient accumulation does it."""
+    optimizer.zero_grad()
+    total = 0.0
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        loss = model(xs, ys) / 2
+        loss.backward()
+        total = total + loss.detach()
+    optimizer.step()
+    return total

@@ -24,7 +24,7 @@ class CollectiveRecord:
     numel: int  # elements of the full buffer (the gathered or the reduced one)
     dtype: torch.dtype
     group_size: int
-    purpose: str = "data"  # "data" (parameters, gradients), "buffers" (DDP's buffer broadcast) or "control"
+    purpose: str = "data"  # "data" (parameters, gradients), "scalar" (norms, flags), "buffers" or "control"
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +66,14 @@ def all_reduce(tensor: torch.Tensor, op: str, group: str, group_size: int) -> to
         return tensor
     _record("all_reduce", tensor, tensor.numel(), group_size)
     return _c10d.all_reduce(tensor, _average_first(tensor, op, group_size), group)
+
+
+def all_reduce_scalar(tensor: torch.Tensor, op: str, group: str, group_size: int) -> torch.Tensor:
+    """A few elements (a norm, an overflow flag): asynchronous like `all_reduce`, listed apart from the formula's."""
+    if group_size == 1:
+        return tensor
+    _record("all_reduce", tensor, tensor.numel(), group_size, purpose="scalar")
+    return _c10d.all_reduce(tensor, op, group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: str, group_size: int) -> torch.Tensor:
@@ -119,4 +127,4 @@ def broadcast_control(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGro
     dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group)
 
 
-COLLECTIVES = (all_reduce, broadcast, all_gather, reduce_scatter)
+COLLECTIVES = (all_reduce, all_reduce_scalar, broadcast, all_gather, reduce_scatter)
