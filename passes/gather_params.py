@@ -26,7 +26,7 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     backward still read them as if full).
 
     Guarantees: parameters are grouped by first use in forward into buckets of at most ``ctx.bucket_bytes`` (gathered
-    size). Before forward's first use of bucket i its all-gather is waited on and each parameter copied out of the
+    size). Each micro-batch gathers for itself. Before forward's first use of bucket i its all-gather is waited on and each parameter copied out of the
     gathered buffer, which then dies; the all-gather itself is issued ``ctx.prefetch`` buckets earlier (just before
     the first use of bucket i - prefetch), so at most prefetch + 1 gathered buckets are in flight. Every forward reader
     reads the gathered copy, which dies after its last forward use. With ``ctx.reshard_after_forward`` (default)
@@ -40,35 +40,41 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     shards = {f: n for f, n in sg.params().items() if f in layouts}
     derived = {f: sorted(_param_only_closure(p), key=sg.order.__getitem__) for f, p in shards.items()}
 
-    forward_uses = {f: _uses(sg, [p], Phase.FORWARD) for f, p in shards.items()}
-    backward_uses = {f: _uses(sg, [p, *derived[f]], Phase.BACKWARD) for f, p in shards.items()}
-    used = sorted((f for f in shards if forward_uses[f]), key=lambda f: sg.order[forward_uses[f][0]])
+    all_forward = {f: _uses(sg, [p], Phase.FORWARD) for f, p in shards.items()}  # before any node is added
+    all_backward = {f: _uses(sg, [p, *derived[f]], Phase.BACKWARD) for f, p in shards.items()}
+    used = sorted((f for f in shards if all_forward[f]), key=lambda f: sg.order[all_forward[f][0]])
     buckets = plan_buckets([(f, layouts[f].padded_numel, layouts[f].dtype) for f in used], ctx.bucket_bytes)
-    forward_anchors = [min((forward_uses[f][0] for f in b.names), key=sg.order.__getitem__) for b in buckets]
-    forward_copies = _insert_gathers(graph, ctx, layouts, shards, buckets, forward_anchors, Phase.FORWARD)
-    for f, full in forward_copies.items():
-        for user in forward_uses[f]:
-            user.replace_input_with(shards[f], full)
-    if ctx.reshard_after_forward:
-        anchors = _backward_anchors(sg, buckets, backward_uses)
-        order = sorted(range(len(buckets)), key=lambda i: sg.order[anchors[i]])
-        backward_copies = _insert_gathers(graph, ctx, layouts, shards, [buckets[i] for i in order],
-                                          [anchors[i] for i in order], Phase.BACKWARD)
-        for f, full in backward_copies.items():
-            _rewire_backward(graph, (shards[f], forward_copies[f]), full, derived[f], backward_uses[f])
-    else:
+    for mb in range(sg.num_microbatches()):  # each micro-batch gathers for itself, as the paper's 3M counts
+        forward_uses = {f: [u for u in all_forward[f] if tag(u).microbatch == mb] for f in shards}
+        backward_uses = {f: [u for u in all_backward[f] if tag(u).microbatch == mb] for f in shards}
+        present = [b for b in buckets if any(forward_uses[f] for f in b.names)]
+        forward_anchors = [min((forward_uses[f][0] for f in b.names if forward_uses[f]), key=sg.order.__getitem__)
+                           for b in present]
+        forward_copies = _insert_gathers(graph, ctx, layouts, shards, present, forward_anchors, Phase.FORWARD)
         for f, full in forward_copies.items():
-            for user in backward_uses[f]:
+            for user in forward_uses[f]:
                 user.replace_input_with(shards[f], full)
+        if ctx.reshard_after_forward:
+            anchors = _backward_anchors(sg, present, backward_uses, mb)
+            order = sorted(range(len(present)), key=lambda i: sg.order[anchors[i]])
+            backward_copies = _insert_gathers(graph, ctx, layouts, shards, [present[i] for i in order],
+                                              [anchors[i] for i in order], Phase.BACKWARD)
+            for f, full in backward_copies.items():
+                _rewire_backward(graph, (shards[f], forward_copies[f]), full, derived[f], backward_uses[f])
+        else:
+            for f, full in forward_copies.items():
+                for user in backward_uses[f]:
+                    user.replace_input_with(shards[f], full)
     ctx.artifacts["gather_buckets"] = buckets
     gm.recompile()
     return gm
 
 
-def _backward_anchors(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node]]) -> list[fx.Node]:
+def _backward_anchors(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node]],
+                      microbatch: int) -> list[fx.Node]:
     """Where backward needs each bucket: its first backward use. As in the paper, every bucket is gathered again,
     also one whose parameters backward never reads (biases): it goes with the bucket forward used before it."""
-    end = sg.phase_span(Phase.BACKWARD)[1]
+    end = sg.phase_span(Phase.BACKWARD, microbatch)[1]
     anchors: list[fx.Node] = []
     for b in buckets:
         firsts = [uses[f][0] for f in b.names if uses[f]]

@@ -2,54 +2,94 @@
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from zerofx.passes.bucketing import plan_buckets
 from zerofx.passes.context import PassContext
-from zerofx.passes.flat_collectives import reduce_scatter_bucket, wait_and_split
-from zerofx.passes.graph_edit import SHARD
-from zerofx.passes.graph_edit import first_user_after
+from zerofx.passes.flat_collectives import categorize, reduce_scatter_bucket, wait_and_split
+from zerofx.passes.graph_edit import SHARD, add_call, first_user_after
+from zerofx.sharding import ParamLayout
 from zerofx.step_graph import Phase, Role, StepGraph
+
+aten = torch.ops.aten
 
 
 def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Expects: ``ctx.artifacts["layouts"]`` from ``shard_optimizer_state``; GRAD-tagged gradient nodes.
+    """Expects: ``ctx.artifacts["layouts"]`` from ``shard_optimizer_state``; GRAD-tagged gradient nodes per
+    micro-batch (backward accumulating into ``.grad`` with ``add_`` from the second micro-batch on).
 
     Guarantees: gradients are grouped, in the order backward produces them, into buckets whose padded size is at most
     ``ctx.bucket_bytes`` (one parameter larger than that travels alone). Each bucket is packed rank-major, divided by
     N and reduce-scattered:
-    - stage 1 (P_os): after backward has ended, so full gradients live until then, as the paper's stage 1 keeps them;
-    - stages 2-3 (P_os+g): right after backward produced the bucket's last gradient; the full gradients die as soon as
-      they are packed, and only shards live on.
-    The wait sits just before the first reader; every later reader (the optimizer) reads this rank's shard.
-    Leaves ``ctx.artifacts["grad_buckets"]``.
+    - stage 1 (P_os): once, after the last backward, so full gradients live (and accumulate) until then, as the
+      paper's stage 1 keeps them;
+    - stages 2-3 (P_os+g): right after backward produced the bucket's last gradient, in every micro-batch: the
+      micro-batch's contribution is reduce-scattered and added to this rank's accumulated shard, the full gradients
+      die as soon as they are packed, and only shards live on.
+    The last wait sits just before the first reader; every later reader (clipping, the optimizer) reads this rank's
+    accumulated shard. Leaves ``ctx.artifacts["grad_buckets"]``.
     """
-    graph = gm.graph
     sg = StepGraph(gm)
     layouts = ctx.artifacts["layouts"]
-    grads = {f: g for f, g in sg.tagged(Role.GRAD, sg.num_microbatches() - 1).items() if f in layouts}
+    micro = sg.num_microbatches()
+    rounds = range(micro) if ctx.stage >= 2 else [micro - 1]
+    accumulated: dict[str, fx.Node] = {}
+    for mb in rounds:
+        grads = {f: g for f, g in sg.tagged(Role.GRAD, mb).items() if f in layouts}
+        first_of_many = ctx.stage >= 2 and mb == 0
+        # from the second micro-batch on, backward did grad.add_(contribution): reduce the contribution alone
+        parts = {f: g if first_of_many or ctx.stage < 2 else g.args[1] for f, g in grads.items()}
+        last_round = mb == micro - 1
+        if last_round:
+            where = None  # just before the first reader of the bucket's final gradients
+        elif ctx.stage >= 2:
+            where = sg.phase_span(Phase.BACKWARD, mb)[1].next
+        shards = _reduce_scatter_round(gm.graph, sg, ctx, layouts, grads, parts, where)
+        for f, shard in shards.items():
+            if f in accumulated:
+                with gm.graph.inserting_after(shard):
+                    shard = add_call(gm.graph, aten.add.Tensor, (accumulated[f], shard), like=shard)
+                    shard.meta[SHARD] = True
+                categorize(shard, "grad")
+            accumulated[f] = shard
+    final = {f: g for f, g in sg.tagged(Role.GRAD, micro - 1).items() if f in layouts}
+    for f, g in final.items():
+        for user in list(g.users):
+            if sg.order.get(user, -1) > sg.order[g]:
+                user.replace_input_with(g, accumulated[f])
+    if ctx.stage >= 2:
+        for mb in range(micro - 1, 0, -1):  # the full accumulations, now unread
+            for f, g in sg.tagged(Role.GRAD, mb).items():
+                if f in layouts and not g.users:
+                    gm.graph.erase_node(g)
+    gm.recompile()
+    return gm
+
+
+def _reduce_scatter_round(graph: fx.Graph, sg: StepGraph, ctx: PassContext, layouts: dict[str, ParamLayout],
+                          grads: dict[str, fx.Node], parts: dict[str, fx.Node],
+                          wait_before: fx.Node | None) -> dict[str, fx.Node]:
+    """Reduce-scatter ``parts`` bucket by bucket as ``grads`` become ready; fqn -> this rank's shard."""
     ready = sorted(grads, key=lambda f: sg.order[grads[f]])
     buckets = plan_buckets([(f, layouts[f].padded_numel, layouts[f].dtype) for f in ready], ctx.bucket_bytes)
+    ctx.artifacts["grad_buckets"] = buckets
     end_of_backward = sg.phase_span(Phase.BACKWARD)[1]
-    after_backward = end_of_backward.next
+    phase = Phase.BACKWARD if ctx.stage >= 2 else Phase.OPTIMIZER
+    shards = {}
     for bucket in buckets:
         nodes = [grads[f] for f in bucket.names]
         bucket_layouts = [layouts[f] for f in bucket.names]
         last = max(nodes, key=sg.order.__getitem__)
-        anchor = last.next if ctx.stage >= 2 else after_backward
-        reader = first_user_after(nodes, last, sg.order)
-        phase = Phase.BACKWARD if ctx.stage >= 2 else Phase.OPTIMIZER
+        anchor = last.next if ctx.stage >= 2 else end_of_backward.next
         with graph.inserting_before(anchor):
-            pending = reduce_scatter_bucket(graph, nodes, bucket_layouts, ctx, like=last, phase=phase)
+            pending = reduce_scatter_bucket(graph, [parts[f] for f in bucket.names], bucket_layouts, ctx, like=last,
+                                            phase=phase)
+        reader = wait_before or first_user_after(nodes, last, sg.order)
         with graph.inserting_before(reader):
-            shards = wait_and_split(graph, pending, [l.shard_numel for l in bucket_layouts], like=reader,
+            pieces = wait_and_split(graph, pending, [l.shard_numel for l in bucket_layouts], like=reader,
                                     category="grad")
-        for g, shard in zip(nodes, shards):
+        for f, shard in zip(bucket.names, pieces):
             shard.meta[SHARD] = True
-            for user in list(g.users):
-                if sg.order.get(user, -1) > sg.order[last]:
-                    user.replace_input_with(g, shard)
-    ctx.artifacts["grad_buckets"] = buckets
-    gm.recompile()
-    return gm
-
+            shards[f] = shard
+    return shards

@@ -47,7 +47,9 @@ def parity_with_ddp(rank, world_size, stage, steps=10, bucket_bytes=8 * 1024, re
     spans_buckets = len(step.graph().code.split("reduce_scatter(")) - 1
     return {"released_numel": released.numel(), "reduce_scatters": spans_buckets, "losses": losses,
             "records": [(r.kind, r.numel, r.purpose) for r in step.stats().collectives],
-            "comm_volume": step.stats().comm_volume, "num_params": step.stats().num_params}
+            "comm_volume": step.stats().comm_volume, "num_params": step.stats().num_params,
+            "formula_comm": step.stats().formula.evaluate(step.stats().formula.comm, step.stats().num_params,
+                                                          world_size)}
 
 
 def _ddp_accumulating(ddp):

@@ -102,3 +102,14 @@ def test_clip_grad_norm_matches_ddp(ranks2, stage):
     result = ranks2.run(cases.parity_with_ddp, stage=stage, step_fn="clipped", noise_atol=2e-5)[0]
     scalars = [r for r in result["records"] if r[2] == "scalar"]
     assert scalars == ([] if stage == 0 else [("all_reduce", 1, "scalar")])  # one global norm, listed apart
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_two_microbatches_match_ddp_accumulation(ranks2, stage):
+    # stages 2-3 average each micro-batch and then add (DDP adds, then averages): the noise-only key bias shows it
+    result = ranks2.run(cases.parity_with_ddp, stage=stage, step_fn="accumulating", noise_atol=2e-5)[0]
+    n, psi = 2, result["num_params"]
+    micro = 2
+    expected = {0: 2, 1: 2, 2: micro + 1, 3: 3 * micro}[stage]
+    assert result["comm_volume"] == pytest.approx(expected * psi * (n - 1) / n)
+    assert result["formula_comm"] == pytest.approx(expected * psi * (n - 1) / n)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import sympy
 
-Psi, N_d, b_p, b_g, K = sympy.symbols("Psi N_d b_p b_g K", positive=True)
+Psi, N_d, b_p, b_g, K, M = sympy.symbols("Psi N_d b_p b_g K M", positive=True)
 
 # per category: (params, grads, master weights + optimizer state)
 _CATEGORIES = {
@@ -28,7 +28,7 @@ class Formula:
     grads: sympy.Expr
     optimizer: sympy.Expr  # master weights and optimizer state: K
     comm: sympy.Expr  # elements this rank sends per step
-    bytes_per_element: dict  # {b_p: 4, b_g: 4, K: 8} for fp32 Adam
+    bytes_per_element: dict  # {b_p: 4, b_g: 4, K: 8} for fp32 Adam; M: micro-batches per step
 
     @property
     def model_states(self) -> sympy.Expr:
@@ -39,12 +39,17 @@ class Formula:
 
 
 def formula(stage: int, *, b_param: int = 4, b_grad: int = 4, k_optimizer: int = 8,
-            reshard_after_forward: bool = True) -> Formula:
-    """Stage 0-3 formulas; the defaults are fp32 Adam (the fp32 parameters are the master weights)."""
+            reshard_after_forward: bool = True, micro_batches: int = 1) -> Formula:
+    """Stage 0-3 formulas; the defaults are fp32 Adam (the fp32 parameters are the master weights).
+
+    Communication with M micro-batches per step: stages 0-1 reduce once (2Ψ); stage 2 reduce-scatters every
+    micro-batch and gathers once ((M+1)Ψ); stage 3 gathers twice and reduce-scatters once per micro-batch (3MΨ;
+    2MΨ without resharding)."""
     params, grads, optimizer = _CATEGORIES[stage]
-    gathers = 3 if stage == 3 and reshard_after_forward else 2
-    comm = gathers * Psi * (N_d - 1) / N_d
-    return Formula(stage, params, grads, optimizer, comm, {b_p: b_param, b_g: b_grad, K: k_optimizer})
+    moved = {0: 2, 1: 2, 2: M + 1, 3: (3 if reshard_after_forward else 2) * M}[stage]
+    comm = moved * Psi * (N_d - 1) / N_d
+    values = {b_p: b_param, b_g: b_grad, K: k_optimizer, M: micro_batches}
+    return Formula(stage, params, grads, optimizer, comm, values)
 
 
 def optimizer_bytes_per_param(optimizer) -> int:

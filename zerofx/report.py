@@ -24,7 +24,7 @@ def report(step, *, print_output: bool = True) -> str:
     rows.append(["communication (elements sent)", _fmt(stats.comm_volume), str(f.comm),
                  _fmt(f.evaluate(f.comm, psi, n))])
     rows.append(["peak (all live tensors)", _fmt(stats.peak_bytes), "", ""])
-    bytes_per = ", ".join(f"{k}={v}" for k, v in f.bytes_per_element.items())
+    bytes_per = ", ".join(f"{k}={v}" for k, v in f.bytes_per_element.items() if str(k) != "M" or v != 1)
     title = (f"zerofx stage {stats.stage}: {n} ranks, Psi = {psi} parameters ({bytes_per}); "
              f"bytes per rank unless noted")
     text = title + "\n" + tabulate(rows, headers=["", "measured", "formula", "formula value"],

@@ -15,6 +15,7 @@ import torch
 from zerofx import formulas
 from zerofx.collectives import CollectiveRecord
 from zerofx.memory import storage_bytes
+from zerofx.step_graph import StepGraph
 
 
 @dataclass
@@ -67,7 +68,8 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
     opt = binding.optimizers(args)[0]
     formula = formulas.formula(config.stage, b_param=element, b_grad=element,
                                k_optimizer=formulas.optimizer_bytes_per_param(opt),
-                               reshard_after_forward=config.reshard_after_forward)
+                               reshard_after_forward=config.reshard_after_forward,
+                               micro_batches=StepGraph(compiled.gm).num_microbatches())
     return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),
                      ring_volume([r for r in records if r.purpose == "data"]), state,
                      probe.peak_bytes if probe else None, formula, traces)
