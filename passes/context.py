@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass
 class PassContext:
@@ -14,4 +16,5 @@ class PassContext:
     bucket_bytes: int
     prefetch: int = 1  # stage 3: all-gathers issued this many buckets ahead of use
     reshard_after_forward: bool = True  # stage 3: gather again in backward instead of keeping forward's copies
+    reduce_dtype: torch.dtype | None = None  # gradients are cast to this before reduction; None: as computed
     artifacts: dict[str, Any] = field(default_factory=dict)  # what passes leave for the runtime and reports

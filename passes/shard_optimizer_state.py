@@ -86,7 +86,7 @@ def _param_shaped_state(sg: StepGraph, layouts: dict[str, ParamLayout]):
     for node in sg.graph.nodes:
         if node.op == "placeholder":
             slot = tag(node).slots[0]
-            if slot.role == Role.OPT_STATE and slot.fqn in layouts \
+            if slot.role in (Role.OPT_STATE, Role.MASTER) and slot.fqn in layouts \
                     and tuple(node.meta["val"].shape) == layouts[slot.fqn].shape:
                 yield slot.fqn, node
 

@@ -70,18 +70,19 @@ def _ddp_accumulating(ddp):
 
 
 def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshard_after_forward=True,
-               prefetch=1):
+               prefetch=1, mixed=False):
     """One measured step: stats, the layouts, and CommDebugMode's counts around it."""
     cfg = cfg or TINY_GPT
     model, opt = gpt_and_adamw(cfg=cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the paper's fp32 Adam: K = 8
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes, track_memory=True,
-                          reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+                          reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                          mixed_precision=zerofx.MixedPrecision(torch.bfloat16) if mixed else None)
     step(model, opt, *token_batch(0, rank, cfg=cfg))
     with CommDebugMode() as comm:
         step(model, opt, *token_batch(1, rank, cfg=cfg))
     stats = step.stats()
-    layouts = step._owned.layouts if step._owned else {}
+    layouts = step._owned.layouts if step._owned and step._owned.stage else {}
     return {
         "num_params": stats.num_params,
         "padded_params": sum(l.padded_numel for l in layouts.values()),
@@ -123,3 +124,30 @@ def load_full_state_then_train(rank, world_size, stage):
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     on_rank0 = zerofx.full_state_dict(step, rank0_only=True)
     return {"rank0_only_empty": on_rank0 == {}, "optimizer_state_released": opt.state[model.wte.weight]["exp_avg"].numel()}
+
+
+def bf16_against_fsdp2(rank, world_size, stage, steps=10):
+    """zerofx with MixedPrecision(bf16) and FSDP2 with the same MixedPrecisionPolicy, on the same data."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from nanogpt import param_groups
+
+    torch.manual_seed(0)
+    fsdp_model = gpt_and_adamw()[0]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in fsdp_model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(fsdp_model, mp_policy=policy)
+    fsdp_opt = torch.optim.AdamW(param_groups(fsdp_model, weight_decay=0.1), lr=3e-3)
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(train_step, stage=stage, bucket_bytes=8 * 1024,
+                          mixed_precision=zerofx.MixedPrecision(param_dtype=torch.bfloat16))
+    ref_losses, losses = train_beside(train_step, step, (fsdp_model, fsdp_opt), (model, opt), token_batch, rank,
+                                      steps)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-2, atol=0)
+    ours = zerofx.full_state_dict(step)["model"]
+    for name, p in fsdp_model.named_parameters():
+        full = p.full_tensor()
+        assert ours[name].dtype == torch.float32 == full.dtype
+        torch.testing.assert_close(ours[name], full, rtol=0, atol=1e-3, msg=name)
+    return {"losses": losses, "fsdp_losses": ref_losses}

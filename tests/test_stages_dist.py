@@ -113,3 +113,20 @@ def test_two_microbatches_match_ddp_accumulation(ranks2, stage):
     expected = {0: 2, 1: 2, 2: micro + 1, 3: 3 * micro}[stage]
     assert result["comm_volume"] == pytest.approx(expected * psi * (n - 1) / n)
     assert result["formula_comm"] == pytest.approx(expected * psi * (n - 1) / n)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_matches_fsdp2_with_the_same_policy(ranks2, stage):
+    result = ranks2.run(cases.bf16_against_fsdp2, stage=stage)[0]
+    assert len(result["losses"]) == len(result["fsdp_losses"]) == 10
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_adam_model_states_are_the_papers(ranks4, stage):
+    """16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N, within padding and Adam's step counters."""
+    r = ranks4.run(cases.accounting, stage=stage, cfg=cases.ODD_GPT, mixed=True)[0]
+    psi, n = r["num_params"], 4
+    paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+    assert r["formula_total"] == pytest.approx(paper)
+    measured = r["model_state_bytes"]["total"]
+    assert paper <= measured <= paper + 28 * ((n - 1) * 16 + 4), (measured, paper)

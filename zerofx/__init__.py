@@ -9,11 +9,12 @@ from zerofx.api import CompiledStep, Config, compile
 from zerofx.collectives import CollectiveRecord
 from zerofx.errors import CaptureError, RankMismatchError
 from zerofx.memory import LiveStorageTracker
+from zerofx.mixed_precision import MixedPrecision
 from zerofx.report import report
 from zerofx.state_dict import full_state_dict, load_full_state_dict
 from zerofx.stats import StepStats
 
 __all__ = [
     "compile", "CompiledStep", "Config", "CaptureError", "RankMismatchError", "StepStats", "CollectiveRecord",
-    "LiveStorageTracker", "passes", "full_state_dict", "load_full_state_dict", "report",
+    "LiveStorageTracker", "MixedPrecision", "passes", "full_state_dict", "load_full_state_dict", "report",
 ]

@@ -15,8 +15,10 @@ import torch.nn as nn
 from zerofx import collectives, guards, optim_support, ranks, runtime
 from zerofx.capture import StepBinding
 from zerofx.memory import StepProbe
+from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext
 from zerofx.sharded_state import ShardedState
+from zerofx.sharding import ParamLayout
 from zerofx.stats import StepStats, measure
 
 log = logging.getLogger("zerofx")
@@ -31,6 +33,7 @@ class Config:
     dump_dir: str | None = None
     verify_ranks: bool = True  # one 8-byte all-gather per step: a rank that diverges raises instead of hanging
     track_memory: bool = False  # run node by node and measure peak and gradient bytes (slower)
+    mixed_precision: MixedPrecision | None = None
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -42,16 +45,18 @@ class Config:
 
 
 def compile(train_step=None, *, stage: int = 0, bucket_bytes: int = 25 * 2**20, prefetch: int = 1,
-            reshard_after_forward: bool = True, dump_dir: str | None = None, verify_ranks: bool = True,
-            track_memory: bool = False):
+            reshard_after_forward: bool = True, mixed_precision: MixedPrecision | None = None,
+            dump_dir: str | None = None, verify_ranks: bool = True, track_memory: bool = False):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
     Usable as ``step = zerofx.compile(train_step, stage=3)`` or as a decorator ``@zerofx.compile(stage=3)``.
-    ``dump_dir`` (or the environment variable ``ZEROFX_DUMP``) writes the graph after capture and after each pass.
+    ``mixed_precision=zerofx.MixedPrecision(param_dtype=torch.bfloat16)`` computes and communicates in bf16 with
+    fp32 master weights. ``dump_dir`` (or the environment variable ``ZEROFX_DUMP``) writes the graph after capture
+    and after each pass.
     """
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
-                    dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory)
+                    dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -98,9 +103,14 @@ class CompiledStep:
             ranks.verify_same(compiled.fingerprint, "the captured graph",
                               lambda: f"graph fingerprint {compiled.fingerprint:x}")
             compiled.verified = True
-        if self.config.stage >= 1 and self._owned is None:
-            self._owned = ShardedState.take(binding, args, compiled.ctx.artifacts["layouts"], self.config.stage, rank)
-            self._owned_parts = guards.owned_parts(key)
+        mixed = self.config.mixed_precision
+        if (self.config.stage >= 1 or mixed) and self._owned is None:
+            layouts = compiled.ctx.artifacts.get("layouts") or {
+                fqn: ParamLayout(fqn, tuple(p.shape), mixed.param_dtype, world_size)
+                for fqn, p in binding.params.items() if p.requires_grad}
+            self._owned = ShardedState.take(binding, args, layouts, self.config.stage, rank, mixed)
+            if self.config.stage >= 1:
+                self._owned_parts = guards.owned_parts(key)
         self._last_key, self._last = key, compiled
         self._last_probe = StepProbe(compiled.gm) if self.config.track_memory else None
         return runtime.execute(compiled, binding, args, self._owned, self._last_probe)
@@ -128,8 +138,10 @@ class CompiledStep:
         if dump_dir and world_size > 1 and dist.get_rank() != 0:
             dump_dir = None  # the graph is the same on every rank: rank 0 writes it
         c = self.config
-        ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes, c.prefetch, c.reshard_after_forward)
-        compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned)
+        reduce_dtype = c.mixed_precision.reduce_dtype if c.mixed_precision else None
+        ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes, c.prefetch, c.reshard_after_forward,
+                          reduce_dtype)
+        compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision)
         self._cache[frozen] = compiled
         return compiled
 

@@ -31,6 +31,7 @@ from torch.nn.utils import stateless
 
 from zerofx import optim_support
 from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
+from zerofx.mixed_precision import MixedPrecision, master_weight_hooks
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, is_mutating, storage_root
 
 
@@ -116,11 +117,15 @@ class CapturedStep:
     notes: list[str] = field(default_factory=list)
 
 
-def input_slots(binding: StepBinding, args: tuple) -> list[Slot]:
-    """The graph's inputs, in order: parameters, buffers, existing grads, optimizer state, hyperparameters, batch."""
+def input_slots(binding: StepBinding, args: tuple, mixed: MixedPrecision | None = None) -> list[Slot]:
+    """The graph's inputs, in order: parameters (and master weights), buffers, existing grads, optimizer state,
+    hyperparameters, batch."""
     slots = [Slot(Role.PARAM, fqn) for fqn in binding.params]
+    if mixed is not None:
+        slots += [Slot(Role.MASTER, fqn) for fqn, p in binding.params.items() if p.requires_grad]
     slots += [Slot(Role.BUFFER, fqn) for fqn in binding.buffers]
-    slots += [Slot(Role.GRAD_IN, fqn) for fqn, p in binding.params.items() if p.requires_grad]
+    if mixed is None:
+        slots += [Slot(Role.GRAD_IN, fqn) for fqn, p in binding.params.items() if p.requires_grad]
     fqn_of = binding.fqn_of
     for oi, opt in enumerate(binding.optimizers(args)):
         spec = optim_support.spec_for(opt)
@@ -137,7 +142,7 @@ def input_slots(binding: StepBinding, args: tuple) -> list[Slot]:
 
 
 def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_trace: bool,
-                 override: Callable[[Slot], Any] | None = None) -> list:
+                 override: Callable[[Slot], Any] | None = None, mixed: MixedPrecision | None = None) -> list:
     """The values to feed the graph for ``slots``: from ``override`` (the state a sharded step owns) where it has
     one, else from the module, optimizer and batch. For tracing, trainable parameters are leaves requiring grad."""
     optimizers = binding.optimizers(args)
@@ -155,7 +160,10 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
                           and binding.params[s.fqn].requires_grad else owned)
         elif s.role == Role.PARAM:
             p = binding.params[s.fqn]
-            values.append(p.detach().requires_grad_(p.requires_grad) if for_trace else p.detach())
+            compute = p.detach().to(mixed.param_dtype) if mixed is not None and p.requires_grad else p.detach()
+            values.append(compute.requires_grad_(p.requires_grad) if for_trace else compute)
+        elif s.role == Role.MASTER:
+            values.append(binding.params[s.fqn].detach())
         elif s.role == Role.BUFFER:
             values.append(binding.buffers[s.fqn])
         elif s.role == Role.GRAD_IN:
@@ -241,9 +249,10 @@ class _PhaseRecorder:
 
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
-            override: Callable[[Slot], Any] | None = None) -> CapturedStep:
+            override: Callable[[Slot], Any] | None = None, mixed: MixedPrecision | None = None) -> CapturedStep:
     """Trace ``train_step(*args)`` with fake tensors into a tagged ATen graph. Nothing real is computed or changed.
-    ``override`` supplies stand-ins for state the module no longer holds (a sharded step re-tracing)."""
+    ``override`` supplies stand-ins for state the module no longer holds (a sharded step re-tracing); ``mixed``
+    traces forward and backward in its ``param_dtype`` with the optimizer on fp32 master weights."""
     import time
 
     start = time.perf_counter()
@@ -251,8 +260,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     modules = binding.modules(args)
     for opt in optimizers:
         optim_support.init_lazy_state(opt)
-    slots = input_slots(binding, args)
-    real_inputs = input_values(binding, args, slots, for_trace=True, override=override)
+    slots = input_slots(binding, args, mixed)
+    real_inputs = input_values(binding, args, slots, for_trace=True, override=override, mixed=mixed)
     batch_structure = binding.batch(args)
     recorder = _PhaseRecorder()
     out_slots: list[tuple[Slot, bool]] = []  # (slot, keep as a graph output)
@@ -261,6 +270,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     def traced(*flat):
         fakes = dict(zip(range(len(slots)), flat))
         fake_params = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.PARAM}
+        fake_masters = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.MASTER}
         fake_buffers = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.BUFFER}
         for i, s in enumerate(slots):
             if s.role == Role.GRAD_IN:
@@ -283,16 +293,18 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                 stack.enter_context(_hook(module.register_forward_pre_hook(
                     lambda *_: recorder.event("forward_start"))))
             for oi, opt in enumerate(optimizers):
-                stack.enter_context(_swap_optimizer(opt, oi, binding, slots, fakes))
+                stack.enter_context(_swap_optimizer(opt, oi, binding, slots, fakes, {**fake_params, **fake_masters}))
                 stack.enter_context(_hook(opt.register_step_pre_hook(
                     lambda *_: _on_optimizer_start(recorder, fake_params))))
+                if mixed is not None:
+                    stack.enter_context(master_weight_hooks(opt, fake_params, fake_masters))
                 stack.enter_context(_hook(opt.register_step_post_hook(
                     lambda *_: recorder.event("optimizer_end"))))
             stack.enter_context(_track_backward(recorder, fake_params))
             user_out = train_step(*call_args)
             recorder.event("step_end")
             return _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_params,
-                                    recorder, out_slots, out_meta)
+                                    fake_masters, out_slots, out_meta)
 
     # make_fx keeps source lines of frames named "forward" only; the train step's own lines matter as much
     torch.fx.proxy._register_stack_trace_anchor(train_step)
@@ -357,12 +369,11 @@ def _track_backward(recorder: _PhaseRecorder, fake_params: dict):
 
 
 @contextlib.contextmanager
-def _swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes: dict):
-    """Point the optimizer at the traced parameters, state and tensor hyperparameters; restore it after."""
+def _swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes: dict, fake_params: dict):
+    """Point the optimizer at the traced parameters (``fake_params``: fqn -> what it updates, the master weights
+    under mixed precision), state and tensor hyperparameters; restore it after."""
     spec = optim_support.spec_for(opt)
-    fake_by_id = {}
     fqn_of = binding.fqn_of
-    fake_params = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.PARAM}
     fake_state = {(s.fqn, s.key): fakes[i] for i, s in enumerate(slots)
                   if s.role == Role.OPT_STATE and s.optimizer == oi}
     hyper = {(s.group, s.key): fakes[i] for i, s in enumerate(slots)
@@ -374,7 +385,6 @@ def _swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes
         fakes_in_group = []
         for p in group["params"]:
             fp = fake_params[fqn_of[id(p)]]
-            fake_by_id[id(p)] = fp
             fakes_in_group.append(fp)
             if p in saved_state:
                 new_state[fp] = {k: fake_state.get((fqn_of[id(p)], k), v) for k, v in saved_state[p].items()}
@@ -396,7 +406,7 @@ def _swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes
         opt.state = saved_state
 
 
-def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_params, recorder,
+def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_params, fake_masters,
                      out_slots, out_meta) -> list:
     """Flatten what the graph must return (user outputs, write-backs) and what capture only tags."""
     values = []
@@ -419,10 +429,10 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
             constants[i] = leaf
     out_meta["spec"], out_meta["constants"] = spec, constants
     for fqn, p in fake_params.items():
-        if p.grad is not None:
+        if p.grad is not None and not any(s.role == Role.MASTER for s in slots):  # mixed: grads stay inside
             emit(p.grad, Slot(Role.GRAD_OUT, fqn))
     input_fakes = {id(fakes[i]) for i in range(len(slots))}
-    fqn_of_fake = {id(p): fqn for fqn, p in fake_params.items()}
+    fqn_of_fake = {id(p): fqn for fqn, p in {**fake_params, **fake_masters}.items()}
     for oi, opt in enumerate(optimizers):
         for fp, state in opt.state.items():
             for key, value in state.items():
@@ -471,7 +481,7 @@ def _hyperparams_as_floats(graph: fx.Graph) -> None:
 
 
 def _placeholder_name(slot: Slot) -> str:
-    stem = {Role.PARAM: "p", Role.BUFFER: "buf", Role.GRAD_IN: "grad", Role.OPT_STATE: "state",
+    stem = {Role.PARAM: "p", Role.MASTER: "master", Role.BUFFER: "buf", Role.GRAD_IN: "grad", Role.OPT_STATE: "state",
             Role.HYPERPARAM: "hp", Role.BATCH: "batch"}[slot.role]
     parts = [stem] + [x for x in (slot.key, slot.fqn) if x]
     if slot.group is not None:

@@ -14,6 +14,7 @@ from zerofx import collectives, dump
 from zerofx.capture import CapturedStep, StepBinding, capture, input_values
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
+from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext, pipeline
 from zerofx.sharded_state import ShardedState
 from zerofx.step_graph import Role, Slot, StepGraph
@@ -47,8 +48,8 @@ def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
-          state: ShardedState | None) -> CompiledGraph:
-    captured = capture(train_step, binding, args, override=state.trace_value if state else None)
+          state: ShardedState | None, mixed: MixedPrecision | None) -> CompiledGraph:
+    captured = capture(train_step, binding, args, override=state.trace_value if state else None, mixed=mixed)
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")

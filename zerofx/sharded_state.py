@@ -1,9 +1,11 @@
-"""The state a compiled step owns from stage 1 on: this rank's parameter and optimizer-state shards.
+"""The state a compiled step owns: from stage 1 on, this rank's parameter and optimizer-state shards.
 
 On the first call the step takes the module's parameters and the optimizer's state, keeps what the stage stores
 (stages 1-2: every full parameter, padded; stage 3: this rank's shard; stages 1-3: this rank's shard of each
-optimizer state tensor), and releases the originals: their memory is freed and reading them gives an empty tensor.
-`zerofx.full_state_dict(step)` gathers the full state back.
+optimizer state tensor and, under mixed precision, of each fp32 master weight), and releases the originals: their
+memory is freed and reading them gives an empty tensor. At stage 0 it owns only the low-precision compute copies of
+mixed precision; the module's fp32 parameters are the master weights. `zerofx.full_state_dict(step)` gathers the
+full state back.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerofx.capture import StepBinding
+from zerofx.mixed_precision import MixedPrecision
 from zerofx.sharding import ParamLayout
 from zerofx.step_graph import Role, Slot
 
@@ -22,17 +25,27 @@ class ShardedState:
     stage: int
     rank: int
     layouts: dict[str, ParamLayout]
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    mixed: MixedPrecision | None = None
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # what forward reads (param_dtype if mixed)
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)  # mixed, stages 1-3: fp32 master shards
     opt_state: dict[tuple[int, str, str], torch.Tensor] = field(default_factory=dict)  # (optimizer, fqn, key)
     sharded_state_keys: set[tuple[int, str, str]] = field(default_factory=set)
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
-             rank: int) -> "ShardedState":
-        state = cls(stage, rank, layouts)
+             rank: int, mixed: MixedPrecision | None = None) -> "ShardedState":
+        state = cls(stage, rank, layouts, mixed)
         for fqn, layout in layouts.items():
-            p = binding.params[fqn]
-            state.params[fqn] = layout.padded_flat(p) if stage < 3 else layout.shard_of(p, rank)
+            p = binding.params[fqn].detach()
+            compute = p.to(mixed.param_dtype) if mixed else p
+            if stage == 0:
+                state.params[fqn] = compute.clone()
+            else:
+                state.params[fqn] = layout.padded_flat(compute) if stage < 3 else layout.shard_of(compute, rank)
+                if mixed:
+                    state.masters[fqn] = layout.shard_of(p, rank)
+        if stage == 0:
+            return state
         fqn_of = binding.fqn_of
         for oi, opt in enumerate(binding.optimizers(args)):
             for p, entries in opt.state.items():
@@ -65,15 +78,20 @@ class ShardedState:
             return self.rank
         if slot.role == Role.PARAM:
             return self.params.get(slot.fqn)
+        if slot.role == Role.MASTER:
+            return self.masters.get(slot.fqn)
         if slot.role == Role.OPT_STATE:
             return self.opt_state.get((slot.optimizer, slot.fqn, slot.key))
         return None
 
     def trace_value(self, slot: Slot):
         """A stand-in of the full shape for a re-trace after the originals were released (never read)."""
-        if slot.role == Role.PARAM and slot.fqn in self.layouts:
+        if self.stage == 0:
+            return None  # nothing was released
+        if slot.role in (Role.PARAM, Role.MASTER) and slot.fqn in self.layouts:
             layout = self.layouts[slot.fqn]
-            return torch.empty(layout.shape, dtype=layout.dtype, device=self.params[slot.fqn].device)
+            dtype = self.masters[slot.fqn].dtype if slot.role == Role.MASTER else layout.dtype
+            return torch.empty(layout.shape, dtype=dtype, device=self.params[slot.fqn].device)
         if slot.role == Role.OPT_STATE and (slot.optimizer, slot.fqn, slot.key) in self.sharded_state_keys:
             layout = self.layouts[slot.fqn]
             value = self.opt_state[(slot.optimizer, slot.fqn, slot.key)]

@@ -52,8 +52,15 @@ def load_full_state_dict(step, state_dict: dict) -> None:
             if owned is not None and fqn in owned.layouts:
                 layout = owned.layouts[fqn]
                 target = owned.params[fqn]
-                target.copy_(layout.padded_flat(value) if target.numel() == layout.padded_numel
-                             else layout.shard_of(value, owned.rank))
+                compute = value.to(target.dtype)
+                if owned.stage == 0:
+                    target.copy_(compute)
+                    p.copy_(value)
+                else:
+                    target.copy_(layout.padded_flat(compute) if target.numel() == layout.padded_numel
+                                 else layout.shard_of(compute, owned.rank))
+                if fqn in owned.masters:
+                    owned.masters[fqn].copy_(layout.shard_of(value, owned.rank))
             else:
                 p.copy_(value)
         for fqn, buf in binding.buffers.items():
@@ -82,9 +89,12 @@ def _bound(step):
 
 
 def _full_param(fqn, binding, owned) -> torch.Tensor:
-    if owned is None or fqn not in owned.layouts:
+    """The full parameter in its master precision: fp32 under mixed precision."""
+    if owned is None or fqn not in owned.layouts or owned.stage == 0:
         return binding.params[fqn].detach().clone()
     layout = owned.layouts[fqn]
+    if fqn in owned.masters:
+        return gather_full(layout, owned.masters[fqn])
     stored = owned.params[fqn]
     return layout.unpad(stored).clone() if stored.numel() == layout.padded_numel else gather_full(layout, stored)
 

@@ -54,20 +54,25 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
     trainable = [p for p in binding.params.values() if p.requires_grad or owned is not None]
     num_params = sum(layout.numel for layout in owned.layouts.values()) if owned else \
         sum(p.numel() for p in trainable)
-    if owned is not None:
-        params = storage_bytes(owned.params.values())
-        optimizer = storage_bytes(owned.opt_state.values())
+    mixed = config.mixed_precision
+    module_params = [p for p in binding.params.values() if p.requires_grad]
+    module_state = [v for opt in binding.optimizers(args) for s in opt.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor)]
+    params = storage_bytes(owned.params.values()) if owned else storage_bytes(module_params)
+    if mixed:  # fp32 master weights: the step's shards, or at stage 0 the module's own parameters
+        masters = storage_bytes(owned.masters.values()) if owned.masters else storage_bytes(module_params)
     else:
-        params = storage_bytes(p for p in binding.params.values() if p.requires_grad)
-        optimizer = storage_bytes(v for opt in binding.optimizers(args) for s in opt.state.values()
-                                  for v in s.values() if isinstance(v, torch.Tensor))
+        masters = 0
+    optimizer = storage_bytes(owned.opt_state.values()) if owned and owned.stage >= 1 else storage_bytes(module_state)
     grads = probe.grad_bytes if probe else None
-    state = {"params": params, "grads": grads, "master_params": 0, "optimizer_states": optimizer}
-    state["total"] = None if grads is None else params + grads + optimizer
+    state = {"params": params, "grads": grads, "master_params": masters, "optimizer_states": optimizer}
+    state["total"] = None if grads is None else params + grads + masters + optimizer
     element = next(iter(binding.params.values())).dtype.itemsize
     opt = binding.optimizers(args)[0]
-    formula = formulas.formula(config.stage, b_param=element, b_grad=element,
-                               k_optimizer=formulas.optimizer_bytes_per_param(opt),
+    formula = formulas.formula(config.stage,
+                               b_param=mixed.param_dtype.itemsize if mixed else element,
+                               b_grad=mixed.grad_dtype.itemsize if mixed else element,
+                               k_optimizer=formulas.optimizer_bytes_per_param(opt) + (4 if mixed else 0),
                                reshard_after_forward=config.reshard_after_forward,
                                micro_batches=StepGraph(compiled.gm).num_microbatches())
     return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),

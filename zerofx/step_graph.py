@@ -24,7 +24,8 @@ class Phase(str, enum.Enum):
 
 class Role(str, enum.Enum):
     # graph inputs
-    PARAM = "param"
+    PARAM = "param"  # the parameter forward and backward read (in param_dtype under mixed precision)
+    MASTER = "master"  # under mixed precision: the fp32 master weight the optimizer updates
     BUFFER = "buffer"
     GRAD_IN = "grad_in"  # a .grad that existed before the step (accumulation across calls)
     OPT_STATE = "opt_state"
