@@ -8,7 +8,7 @@ import torch.fx as fx
 from zerofx import collectives
 from zerofx.passes.bucketing import plan_buckets
 from zerofx.passes.context import PassContext
-from zerofx.passes.flat_collectives import categorize, split_into_views
+from zerofx.passes.flat_collectives import cast, categorize, split_into_views
 from zerofx.passes.graph_edit import add_call, first_user_after
 from zerofx.step_graph import Role, StepGraph
 
@@ -22,7 +22,7 @@ def bucket_allreduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ``ctx.bucket_bytes``. Right after a bucket's last gradient is produced, its gradients are copied into one flat
     buffer and all-reduced (averaged) asynchronously; the wait sits just before the first later reader of any of
     them; every later reader (clipping, the optimizer, the ``.grad`` left after the step) reads the averaged values
-    as views into that buffer. The update equals DistributedDataParallel's. Leaves ``ctx.artifacts["grad_buckets"]``.
+    as views into that buffer, in ``ctx.reduce_dtype`` when it is set. The update equals DistributedDataParallel's. Leaves ``ctx.artifacts["grad_buckets"]``.
     """
     if ctx.world_size == 1:
         return gm
@@ -30,14 +30,15 @@ def bucket_allreduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     sg = StepGraph(gm)
     grads = sg.tagged(Role.GRAD, sg.num_microbatches() - 1)
     ready = sorted(grads, key=lambda fqn: sg.order[grads[fqn]])
-    buckets = plan_buckets([(f, grads[f].meta["val"].numel(), grads[f].meta["val"].dtype) for f in ready],
-                           ctx.bucket_bytes)
+    dtype_of = {f: ctx.reduce_dtype or grads[f].meta["val"].dtype for f in ready}
+    buckets = plan_buckets([(f, grads[f].meta["val"].numel(), dtype_of[f]) for f in ready], ctx.bucket_bytes)
     for bucket in buckets:
         nodes = [grads[f] for f in bucket.names]
         last = max(nodes, key=sg.order.__getitem__)
         reader = first_user_after(nodes, last, sg.order)
         with graph.inserting_before(last.next):  # nodes land in the order they are added
-            flat_views = [add_call(graph, aten.view.default, (g, [-1]), like=last) for g in nodes]
+            flat_views = [cast(graph, add_call(graph, aten.view.default, (g, [-1]), like=last), bucket.dtype, last)
+                          for g in nodes]
             flat = add_call(graph, aten.cat.default, (flat_views,), like=last)
             reduced = categorize(add_call(graph, collectives.all_reduce,
                                           (flat, "avg", ctx.group_name, ctx.world_size),

@@ -29,6 +29,13 @@ def categorize(node: fx.Node, category: str) -> fx.Node:
     return node
 
 
+def cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, like: fx.Node, phase: Phase | None = None) -> fx.Node:
+    """``node`` in ``dtype`` (a new node only if the dtype differs): gradients reduced in ``reduce_dtype``."""
+    if node.meta["val"].dtype == dtype:
+        return node
+    return add_call(graph, aten._to_copy.default, (node,), like=like, phase=phase, kwargs={"dtype": dtype})
+
+
 def wait_and_split(graph: fx.Graph, pending: fx.Node, sizes: list[int], like: fx.Node,
                    category: str | None = None) -> list[fx.Node]:
     """Wait for the collective on ``pending``; cut its flat result into pieces of ``sizes`` elements."""

@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from zerofx.passes.bucketing import plan_buckets
 from zerofx.passes.context import PassContext
-from zerofx.passes.flat_collectives import categorize, reduce_scatter_bucket, wait_and_split
+from zerofx.passes.flat_collectives import cast, categorize, reduce_scatter_bucket, wait_and_split
 from zerofx.passes.graph_edit import SHARD, add_call, first_user_after
 from zerofx.sharding import ParamLayout
 from zerofx.step_graph import Phase, Role, StepGraph
@@ -27,7 +27,8 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     - stages 2-3 (P_os+g): right after backward produced the bucket's last gradient, in every micro-batch: the
       micro-batch's contribution is reduce-scattered and added to this rank's accumulated shard, the full gradients
       die as soon as they are packed, and only shards live on.
-    The last wait sits just before the first reader; every later reader (clipping, the optimizer) reads this rank's
+    Gradients travel in ``ctx.reduce_dtype`` when it is set (cast just before packing). The last wait sits just
+    before the first reader; every later reader (clipping, the optimizer) reads this rank's
     accumulated shard. Leaves ``ctx.artifacts["grad_buckets"]``.
     """
     sg = StepGraph(gm)
@@ -72,7 +73,8 @@ def _reduce_scatter_round(graph: fx.Graph, sg: StepGraph, ctx: PassContext, layo
                           wait_before: fx.Node | None) -> dict[str, fx.Node]:
     """Reduce-scatter ``parts`` bucket by bucket as ``grads`` become ready; fqn -> this rank's shard."""
     ready = sorted(grads, key=lambda f: sg.order[grads[f]])
-    buckets = plan_buckets([(f, layouts[f].padded_numel, layouts[f].dtype) for f in ready], ctx.bucket_bytes)
+    dtype_of = {f: ctx.reduce_dtype or layouts[f].dtype for f in ready}
+    buckets = plan_buckets([(f, layouts[f].padded_numel, dtype_of[f]) for f in ready], ctx.bucket_bytes)
     ctx.artifacts["grad_buckets"] = buckets
     end_of_backward = sg.phase_span(Phase.BACKWARD)[1]
     phase = Phase.BACKWARD if ctx.stage >= 2 else Phase.OPTIMIZER
@@ -83,8 +85,8 @@ def _reduce_scatter_round(graph: fx.Graph, sg: StepGraph, ctx: PassContext, layo
         last = max(nodes, key=sg.order.__getitem__)
         anchor = last.next if ctx.stage >= 2 else end_of_backward.next
         with graph.inserting_before(anchor):
-            pending = reduce_scatter_bucket(graph, [parts[f] for f in bucket.names], bucket_layouts, ctx, like=last,
-                                            phase=phase)
+            sent = [cast(graph, parts[f], dtype_of[f], like=last, phase=phase) for f in bucket.names]
+            pending = reduce_scatter_bucket(graph, sent, bucket_layouts, ctx, like=last, phase=phase)
         reader = wait_before or first_user_after(nodes, last, sg.order)
         with graph.inserting_before(reader):
             pieces = wait_and_split(graph, pending, [l.shard_numel for l in bucket_layouts], like=reader,

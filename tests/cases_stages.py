@@ -70,14 +70,15 @@ def _ddp_accumulating(ddp):
 
 
 def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshard_after_forward=True,
-               prefetch=1, mixed=False):
+               prefetch=1, mixed=False, reduce_fp32=False):
     """One measured step: stats, the layouts, and CommDebugMode's counts around it."""
     cfg = cfg or TINY_GPT
     model, opt = gpt_and_adamw(cfg=cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the paper's fp32 Adam: K = 8
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes, track_memory=True,
                           reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-                          mixed_precision=zerofx.MixedPrecision(torch.bfloat16) if mixed else None)
+                          mixed_precision=zerofx.MixedPrecision(torch.bfloat16, torch.float32 if reduce_fp32 else None)
+                          if mixed else None)
     step(model, opt, *token_batch(0, rank, cfg=cfg))
     with CommDebugMode() as comm:
         step(model, opt, *token_batch(1, rank, cfg=cfg))
@@ -126,7 +127,7 @@ def load_full_state_then_train(rank, world_size, stage):
     return {"rank0_only_empty": on_rank0 == {}, "optimizer_state_released": opt.state[model.wte.weight]["exp_avg"].numel()}
 
 
-def bf16_against_fsdp2(rank, world_size, stage, steps=10):
+def bf16_against_fsdp2(rank, world_size, stage, steps=10, reduce_fp32=False):
     """zerofx with MixedPrecision(bf16) and FSDP2 with the same MixedPrecisionPolicy, on the same data."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -134,14 +135,15 @@ def bf16_against_fsdp2(rank, world_size, stage, steps=10):
 
     torch.manual_seed(0)
     fsdp_model = gpt_and_adamw()[0]
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    reduce_dtype = torch.float32 if reduce_fp32 else None
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     for block in fsdp_model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(fsdp_model, mp_policy=policy)
     fsdp_opt = torch.optim.AdamW(param_groups(fsdp_model, weight_decay=0.1), lr=3e-3)
     model, opt = gpt_and_adamw()
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=8 * 1024,
-                          mixed_precision=zerofx.MixedPrecision(param_dtype=torch.bfloat16))
+                          mixed_precision=zerofx.MixedPrecision(torch.bfloat16, reduce_dtype))
     ref_losses, losses = train_beside(train_step, step, (fsdp_model, fsdp_opt), (model, opt), token_batch, rank,
                                       steps)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-2, atol=0)

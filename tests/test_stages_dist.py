@@ -130,3 +130,13 @@ def test_bf16_adam_model_states_are_the_papers(ranks4, stage):
     assert r["formula_total"] == pytest.approx(paper)
     measured = r["model_state_bytes"]["total"]
     assert paper <= measured <= paper + 28 * ((n - 1) * 16 + 4), (measured, paper)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp32_reduction_matches_fsdp2_and_counts_four_gradient_bytes(ranks2, ranks4, stage):
+    ranks2.run(cases.bf16_against_fsdp2, stage=stage, reduce_fp32=True)
+    r = ranks4.run(cases.accounting, stage=stage, cfg=cases.ODD_GPT, mixed=True, reduce_fp32=True)[0]
+    psi, n = r["num_params"], 4
+    paper = {0: (2 + 4 + 12) * psi, 2: 2 * psi + (4 + 12) * psi / n}[stage]  # b_g = 4
+    assert r["formula_total"] == pytest.approx(paper)
+    assert paper <= r["model_state_bytes"]["total"] <= paper + 28 * ((n - 1) * 18 + 4)
