@@ -36,10 +36,17 @@ def cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, like: fx.Node, phas
     return add_call(graph, aten._to_copy.default, (node,), like=like, phase=phase, kwargs={"dtype": dtype})
 
 
+def wait_for(graph: fx.Graph, pending: fx.Node, like: fx.Node, phase: Phase | None = None) -> fx.Node:
+    """The wait node of the collective ``pending``; it also takes the collective's input, so that buffer stays
+    alive until the collective has completed."""
+    return add_call(graph, collectives.wait, (pending, pending.args[0]), like=like, phase=phase,
+                    val=pending.meta["val"])
+
+
 def wait_and_split(graph: fx.Graph, pending: fx.Node, sizes: list[int], like: fx.Node,
                    category: str | None = None) -> list[fx.Node]:
     """Wait for the collective on ``pending``; cut its flat result into pieces of ``sizes`` elements."""
-    done = add_call(graph, collectives.wait, (pending,), like=like, val=pending.meta["val"])
+    done = wait_for(graph, pending, like)
     pieces = add_call(graph, aten.split_with_sizes.default, (done, sizes), like=like)
     out = [add_call(graph, operator.getitem, (pieces, i), like=like) for i in range(len(sizes))]
     if category:
@@ -103,8 +110,7 @@ def all_gather_bucket(graph: fx.Graph, shards: list[fx.Node], layouts: list[Para
 def gathered_rows(graph: fx.Graph, pending: fx.Node, layouts: list[ParamLayout], like: fx.Node,
                   phase: Phase | None = None) -> list[fx.Node]:
     """Wait for an all-gather and return, per parameter, its [N, s] (strided) slice of the gathered matrix."""
-    done = categorize(add_call(graph, collectives.wait, (pending,), like=like, phase=phase,
-                               val=pending.meta["val"]), "gathered_param")
+    done = categorize(wait_for(graph, pending, like, phase), "gathered_param")
     n = layouts[0].world_size
     total = sum(l.shard_numel for l in layouts)
     matrix = add_call(graph, aten.view.default, (done, [n, total]), like=like, phase=phase)

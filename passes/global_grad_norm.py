@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from zerofx import collectives
 from zerofx.passes.context import PassContext
-from zerofx.passes.flat_collectives import CATEGORY
+from zerofx.passes.flat_collectives import CATEGORY, wait_for
 from zerofx.passes.graph_edit import add_call
 from zerofx.step_graph import aliases_first_arg, tag
 
@@ -36,13 +36,13 @@ def global_grad_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 reduced = add_call(graph, collectives.all_reduce_scalar, (total, "max", ctx.group_name,
                                                                           ctx.world_size), like=total,
                                    val=total.meta["val"])
-                norm = add_call(graph, collectives.wait, (reduced,), like=total, val=total.meta["val"])
+                norm = wait_for(graph, reduced, like=total)
             else:
                 powered = add_call(graph, aten.pow.Tensor_Scalar, (total, p), like=total)
                 reduced = add_call(graph, collectives.all_reduce_scalar, (powered, "sum", ctx.group_name,
                                                                           ctx.world_size), like=total,
                                    val=powered.meta["val"])
-                summed = add_call(graph, collectives.wait, (reduced,), like=total, val=powered.meta["val"])
+                summed = wait_for(graph, reduced, like=total)
                 norm = add_call(graph, aten.pow.Tensor_Scalar, (summed, 1.0 / p), like=total)
         for user in users:
             user.replace_input_with(total, norm)

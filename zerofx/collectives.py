@@ -108,7 +108,9 @@ def _average_first(tensor: torch.Tensor, op: str, group_size: int) -> str:
     return op
 
 
-def wait(tensor: torch.Tensor) -> torch.Tensor:
+def wait(tensor: torch.Tensor, sent: torch.Tensor | None = None) -> torch.Tensor:
+    """The collective's result, complete. ``sent`` is the collective's input: the graph passes it here so the
+    buffer stays referenced until the collective is done with it, whatever the backend keeps alive itself."""
     return _c10d.wait_tensor(tensor) if dist.is_initialized() else tensor
 
 
