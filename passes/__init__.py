@@ -4,6 +4,7 @@ Every pass is ``(GraphModule, PassContext) -> GraphModule`` and states in its do
 guarantees. Contents, in pipeline order:
 
 - ``remove_profiler_ops``: drop torch.optim's record_function markers.
+- ``skip_nonfinite_update``: float16 loss scaling, ranks agree on overflow and such a step changes nothing.
 - ``broadcast_buffers``: rank 0's buffers broadcast before forward (DDP's default).
 - ``bucket_allreduce``: stage 0, bucketed gradient all-reduce as gradients become ready.
 - ``shard_optimizer_state``: stages 1-3, the optimizer updates this rank's shards (P_os).
@@ -32,7 +33,8 @@ from zerofx.passes.propagate_shard_shapes import propagate_shard_shapes
 from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
 from zerofx.passes.shard_optimizer_state import shard_optimizer_state
+from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 
 __all__ = ["PassContext", "Pipeline", "pipeline", "allgather_params", "broadcast_buffers", "bucket_allreduce",
            "gather_params", "global_grad_norm", "propagate_shard_shapes", "reduce_scatter_grads", "remove_profiler_ops",
-           "shard_optimizer_state"]
+           "shard_optimizer_state", "skip_nonfinite_update"]

@@ -35,7 +35,7 @@ def add_call(graph: fx.Graph, target: Callable, args: tuple, *, like: fx.Node, p
     node.meta["val"] = val
     node.meta[INSERTED] = True
     source: NodeTag = like.meta[TAG]
-    node.meta[TAG] = NodeTag(phase or source.phase, source.microbatch)
+    node.meta[TAG] = NodeTag(phase or source.phase, source.microbatch, [], source.in_optimizer_step)
     if "stack_trace" in like.meta:
         node.meta["stack_trace"] = like.meta["stack_trace"]
     return node

@@ -18,16 +18,17 @@ from zerofx.passes.propagate_shard_shapes import propagate_shard_shapes
 from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
 from zerofx.passes.shard_optimizer_state import shard_optimizer_state
+from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 _STAGES: dict[int, tuple[Pass, ...]] = {
-    0: (remove_profiler_ops, broadcast_buffers, bucket_allreduce),
-    1: (remove_profiler_ops, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
+    0: (remove_profiler_ops, skip_nonfinite_update, broadcast_buffers, bucket_allreduce),
+    1: (remove_profiler_ops, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
         allgather_params, propagate_shard_shapes),
-    2: (remove_profiler_ops, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
+    2: (remove_profiler_ops, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
         allgather_params, propagate_shard_shapes),
-    3: (remove_profiler_ops, broadcast_buffers, shard_optimizer_state, gather_params, reduce_scatter_grads,
+    3: (remove_profiler_ops, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, gather_params, reduce_scatter_grads,
         global_grad_norm, propagate_shard_shapes),
 }
 

@@ -9,6 +9,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from zerofx.errors import CaptureError, user_frame_from_stack_trace
+from zerofx.mixed_precision import PER_TENSOR_CHECK
 from zerofx.passes.context import PassContext
 from zerofx.passes.global_grad_norm import GLOBAL_NORM
 from zerofx.passes.graph_edit import INSERTED, SHARD, fake_mode_of
@@ -43,7 +44,7 @@ def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                 torch.Tag.pointwise in node.target.tags or node.target in _SHARD_SAFE)
             if elementwise or node.target is operator.getitem:
                 sharded.add(node)
-            elif not node.meta.get(GLOBAL_NORM):
+            elif not (node.meta.get(GLOBAL_NORM) or node.meta.get(PER_TENSOR_CHECK)):
                 raise CaptureError(
                     f"{node.target} reads a 1/{ctx.world_size} shard of a parameter, its state or its gradient at "
                     f"stage {ctx.stage} and is not elementwise: it would compute something else than on the full "

@@ -153,3 +153,33 @@ def bf16_against_fsdp2(rank, world_size, stage, steps=10, reduce_fp32=False):
         assert ours[name].dtype == torch.float32 == full.dtype
         torch.testing.assert_close(ours[name], full, rtol=0, atol=1e-3, msg=name)
     return {"losses": losses, "fsdp_losses": ref_losses}
+
+
+def _scaled_loss_step(model, optimizer, x, y, factor):
+    optimizer.zero_grad()
+    loss = model(x, y) * factor
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def fp16_overflow_is_skipped(rank, world_size, stage):
+    """Rank 1's loss is multiplied by 1e8 in step 3: fp16 gradients overflow; both ranks skip that step."""
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(_scaled_loss_step, stage=stage, bucket_bytes=8 * 1024,
+                          mixed_precision=zerofx.MixedPrecision(param_dtype=torch.float16))
+    one = torch.ones(())
+    for i in range(3):
+        step(model, opt, *token_batch(i, rank), one)
+    before, scale_before = zerofx.full_state_dict(step), step.loss_scale
+    overflow = torch.tensor(1e8 if rank == 1 else 1.0)
+    step(model, opt, *token_batch(3, rank), overflow)
+    after, scale_after = zerofx.full_state_dict(step), step.loss_scale
+    unchanged = all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
+    state_unchanged = all(torch.equal(before["optimizer"]["state"][f][k], after["optimizer"]["state"][f][k])
+                          for f in before["optimizer"]["state"] for k in before["optimizer"]["state"][f])
+    step(model, opt, *token_batch(4, rank), one)
+    trained = zerofx.full_state_dict(step)
+    moved = any(not torch.equal(after["model"][k], trained["model"][k]) for k in after["model"])
+    return {"unchanged": unchanged, "state_unchanged": state_unchanged, "scales": (scale_before, scale_after,
+            step.loss_scale), "moved_after": moved, "traces": step.stats().traces}

@@ -51,16 +51,16 @@ def test_uneven_batch_raises_on_every_rank_without_hanging(ranks2):
 def test_dump_dir_has_one_readable_file_per_pass(ranks2, tmp_path):
     results = ranks2.run(cases.dump_files, dump_dir=str(tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["00_capture.py", "01_remove_profiler_ops.py", "02_broadcast_buffers.py",
-                     "03_bucket_allreduce.py"]
-    text = (tmp_path / "03_bucket_allreduce.py").read_text()
+    assert files == ["00_capture.py", "01_remove_profiler_ops.py", "02_skip_nonfinite_update.py",
+                     "03_broadcast_buffers.py", "04_bucket_allreduce.py"]
+    text = (tmp_path / "04_bucket_allreduce.py").read_text()
     n = results[0]["allreduces"]
     assert n > 1 and f"# collectives: {n} (" in text
     assert text.count("= zerofx_collectives_all_reduce(") == n
     assert "# collectives: 0 (0 bytes)" in (tmp_path / "00_capture.py").read_text()
     assert "p__wte_weight" in text and 'f32[65, 32]' in text  # parameters by name, with shapes
     namespace = {}
-    exec(compile(text, "03_bucket_allreduce.py", "exec"), namespace)  # the dump is a Python module
+    exec(compile(text, "04_bucket_allreduce.py", "exec"), namespace)  # the dump is a Python module
     assert "forward" in vars(namespace["Step"])
     assert results[0]["final_is_last_pass"] and results[0]["capture_has_no_allreduce"]
 

@@ -140,3 +140,12 @@ def test_fp32_reduction_matches_fsdp2_and_counts_four_gradient_bytes(ranks2, ran
     paper = {0: (2 + 4 + 12) * psi, 2: 2 * psi + (4 + 12) * psi / n}[stage]  # b_g = 4
     assert r["formula_total"] == pytest.approx(paper)
     assert paper <= r["model_state_bytes"]["total"] <= paper + 28 * ((n - 1) * 18 + 4)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_fp16_overflowing_step_is_skipped_on_every_rank(ranks2, stage):
+    for r in ranks2.run(cases.fp16_overflow_is_skipped, stage=stage):
+        assert r["unchanged"] and r["state_unchanged"]  # parameters, moments and step counters untouched
+        before, after, later = r["scales"]
+        assert after == before / 2 and later == after  # backed off once, then steady
+        assert r["moved_after"] and r["traces"] == 1  # training goes on, same graph

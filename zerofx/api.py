@@ -155,6 +155,12 @@ class CompiledStep:
             raise KeyError(f"no graph named {name!r}; known: {', '.join(self._last.snapshots)}")
         return self._last.snapshots[name]
 
+    @property
+    def loss_scale(self) -> float | None:
+        """float16 mixed precision: the current dynamic loss scale."""
+        owned = self._owned
+        return None if owned is None or owned.loss_scale is None else owned.loss_scale.item()
+
     def stats(self) -> StepStats:
         """What the last step did: its collectives and communication volume, model-state bytes and peak."""
         if self._last is None:

@@ -124,6 +124,8 @@ def input_slots(binding: StepBinding, args: tuple, mixed: MixedPrecision | None 
     if mixed is not None:
         slots += [Slot(Role.MASTER, fqn) for fqn, p in binding.params.items() if p.requires_grad]
     slots += [Slot(Role.BUFFER, fqn) for fqn in binding.buffers]
+    if mixed is not None and mixed.scaling is not None:
+        slots += [Slot(Role.LOSS_SCALE), Slot(Role.GROWTH_TRACKER)]
     if mixed is None:
         slots += [Slot(Role.GRAD_IN, fqn) for fqn, p in binding.params.items() if p.requires_grad]
     fqn_of = binding.fqn_of
@@ -164,6 +166,10 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
             values.append(compute.requires_grad_(p.requires_grad) if for_trace else compute)
         elif s.role == Role.MASTER:
             values.append(binding.params[s.fqn].detach())
+        elif s.role == Role.LOSS_SCALE:  # first trace, before the step owns the scale
+            values.append(torch.tensor(mixed.scaling.init_scale, dtype=torch.float32))
+        elif s.role == Role.GROWTH_TRACKER:
+            values.append(torch.tensor(0, dtype=torch.int32))
         elif s.role == Role.BUFFER:
             values.append(binding.buffers[s.fqn])
         elif s.role == Role.GRAD_IN:
@@ -272,6 +278,9 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
         fake_params = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.PARAM}
         fake_masters = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.MASTER}
         fake_buffers = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.BUFFER}
+        by_role = {s.role: fakes[i] for i, s in enumerate(slots)}
+        scaling = (mixed.scaling, by_role[Role.LOSS_SCALE], by_role[Role.GROWTH_TRACKER]) \
+            if mixed is not None and mixed.scaling is not None else None
         for i, s in enumerate(slots):
             if s.role == Role.GRAD_IN:
                 fake_params[s.fqn].grad = fakes[i]
@@ -297,10 +306,10 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                 stack.enter_context(_hook(opt.register_step_pre_hook(
                     lambda *_: _on_optimizer_start(recorder, fake_params))))
                 if mixed is not None:
-                    stack.enter_context(master_weight_hooks(opt, fake_params, fake_masters))
+                    stack.enter_context(master_weight_hooks(opt, fake_params, fake_masters, scaling))
                 stack.enter_context(_hook(opt.register_step_post_hook(
                     lambda *_: recorder.event("optimizer_end"))))
-            stack.enter_context(_track_backward(recorder, fake_params))
+            stack.enter_context(_track_backward(recorder, fake_params, scaling[1] if scaling else None))
             user_out = train_step(*call_args)
             recorder.event("step_end")
             return _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_params,
@@ -353,10 +362,16 @@ def _on_optimizer_start(recorder: _PhaseRecorder, fake_params: dict) -> None:
 
 
 @contextlib.contextmanager
-def _track_backward(recorder: _PhaseRecorder, fake_params: dict):
+def _track_backward(recorder: _PhaseRecorder, fake_params: dict, loss_scale: torch.Tensor | None):
+    """Phase events around ``torch.autograd.backward``; with loss scaling, backward starts from loss * scale."""
     real_backward = torch.autograd.backward
 
     def backward(*a, **k):
+        if loss_scale is not None:
+            if not (a and isinstance(a[0], torch.Tensor) and a[0].numel() == 1):
+                raise CaptureError("loss scaling needs backward() of one scalar loss",
+                                   hint="call loss.backward() on the scalar loss")
+            a = (a[0].float() * loss_scale,) + a[1:]
         recorder.event("backward_start")
         try:
             return real_backward(*a, **k)
@@ -481,7 +496,8 @@ def _hyperparams_as_floats(graph: fx.Graph) -> None:
 
 
 def _placeholder_name(slot: Slot) -> str:
-    stem = {Role.PARAM: "p", Role.MASTER: "master", Role.BUFFER: "buf", Role.GRAD_IN: "grad", Role.OPT_STATE: "state",
+    stem = {Role.PARAM: "p", Role.MASTER: "master", Role.LOSS_SCALE: "loss_scale",
+            Role.GROWTH_TRACKER: "growth_tracker", Role.BUFFER: "buf", Role.GRAD_IN: "grad", Role.OPT_STATE: "state",
             Role.HYPERPARAM: "hp", Role.BATCH: "batch"}[slot.role]
     parts = [stem] + [x for x in (slot.key, slot.fqn) if x]
     if slot.group is not None:

@@ -30,11 +30,17 @@ class ShardedState:
     masters: dict[str, torch.Tensor] = field(default_factory=dict)  # mixed, stages 1-3: fp32 master shards
     opt_state: dict[tuple[int, str, str], torch.Tensor] = field(default_factory=dict)  # (optimizer, fqn, key)
     sharded_state_keys: set[tuple[int, str, str]] = field(default_factory=set)
+    loss_scale: torch.Tensor | None = None  # float16: the dynamic loss scale and its growth tracker
+    growth_tracker: torch.Tensor | None = None
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
              rank: int, mixed: MixedPrecision | None = None) -> "ShardedState":
         state = cls(stage, rank, layouts, mixed)
+        if mixed is not None and mixed.scaling is not None:
+            device = next(iter(binding.params.values())).device
+            state.loss_scale = torch.tensor(mixed.scaling.init_scale, dtype=torch.float32, device=device)
+            state.growth_tracker = torch.tensor(0, dtype=torch.int32, device=device)
         for fqn, layout in layouts.items():
             p = binding.params[fqn].detach()
             compute = p.to(mixed.param_dtype) if mixed else p
@@ -76,6 +82,10 @@ class ShardedState:
         """The tensor (or rank) the graph input ``slot`` takes from this state; None where the module owns it."""
         if slot.role == Role.RANK:
             return self.rank
+        if slot.role == Role.LOSS_SCALE:
+            return self.loss_scale
+        if slot.role == Role.GROWTH_TRACKER:
+            return self.growth_tracker
         if slot.role == Role.PARAM:
             return self.params.get(slot.fqn)
         if slot.role == Role.MASTER:
@@ -86,6 +96,8 @@ class ShardedState:
 
     def trace_value(self, slot: Slot):
         """A stand-in of the full shape for a re-trace after the originals were released (never read)."""
+        if slot.role in (Role.LOSS_SCALE, Role.GROWTH_TRACKER):
+            return self.lookup(slot)
         if self.stage == 0:
             return None  # nothing was released
         if slot.role in (Role.PARAM, Role.MASTER) and slot.fqn in self.layouts:

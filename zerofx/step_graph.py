@@ -31,6 +31,8 @@ class Role(str, enum.Enum):
     OPT_STATE = "opt_state"
     HYPERPARAM = "hyperparam"
     BATCH = "batch"
+    LOSS_SCALE = "loss_scale"  # float16 mixed precision: the dynamic loss scale (updated in place)
+    GROWTH_TRACKER = "growth_tracker"  # steps since the scale last changed (updated in place)
     RANK = "rank"  # this rank's index (stages 1-3): the graph is the same on every rank, the rank is data
     # values inside the graph
     GRAD = "grad"  # a parameter's gradient as backward leaves it (per micro-batch)
