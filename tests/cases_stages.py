@@ -181,5 +181,9 @@ def fp16_overflow_is_skipped(rank, world_size, stage):
     step(model, opt, *token_batch(4, rank), one)
     trained = zerofx.full_state_dict(step)
     moved = any(not torch.equal(after["model"][k], trained["model"][k]) for k in after["model"])
-    return {"unchanged": unchanged, "state_unchanged": state_unchanged, "scales": (scale_before, scale_after,
-            step.loss_scale), "moved_after": moved, "traces": step.stats().traces}
+    later = step.loss_scale
+    assert after["loss_scale"] == {"scale": scale_after, "growth_tracker": 0}
+    zerofx.load_full_state_dict(step, before)  # the scale is part of the state: loading restores it
+    assert step.loss_scale == scale_before
+    return {"unchanged": unchanged, "state_unchanged": state_unchanged, "scales": (scale_before, scale_after, later),
+            "moved_after": moved, "traces": step.stats().traces}

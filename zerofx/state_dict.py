@@ -4,7 +4,8 @@ Layout, keyed by fully qualified names as ``torch.distributed.checkpoint.state_d
 
     {"model": {"wte.weight": tensor, ..., "bn.running_mean": tensor},
      "optimizer": {"state": {"wte.weight": {"step": ..., "exp_avg": ..., "exp_avg_sq": ...}, ...},
-                   "param_groups": [{"lr": ..., "params": ["wte.weight", ...]}, ...]}}
+                   "param_groups": [{"lr": ..., "params": ["wte.weight", ...]}, ...]},
+     "loss_scale": {"scale": 65536.0, "growth_tracker": 0}}          # float16 mixed precision only
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def full_state_dict(step, *, rank0_only: bool = False) -> dict:
         optimizers.append({"state": state, "param_groups": groups})
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
-    return {"model": model, "optimizer": optimizers[0] if len(optimizers) == 1 else optimizers}
+    out = {"model": model, "optimizer": optimizers[0] if len(optimizers) == 1 else optimizers}
+    if owned is not None and owned.loss_scale is not None:
+        out["loss_scale"] = {"scale": owned.loss_scale.item(), "growth_tracker": int(owned.growth_tracker.item())}
+    return out
 
 
 def load_full_state_dict(step, state_dict: dict) -> None:
@@ -80,6 +84,9 @@ def load_full_state_dict(step, state_dict: dict) -> None:
                         entries[key].copy_(value)
             for group, saved in zip(opt.param_groups, sd["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
+        if "loss_scale" in state_dict and owned is not None and owned.loss_scale is not None:
+            owned.loss_scale.fill_(state_dict["loss_scale"]["scale"])
+            owned.growth_tracker.fill_(state_dict["loss_scale"]["growth_tracker"])
 
 
 def _bound(step):
