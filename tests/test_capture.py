@@ -5,7 +5,8 @@ import torch
 
 import zerofx
 from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
-from zerofx.capture import StepBinding, capture
+from zerofx.binding import StepBinding
+from zerofx.capture import capture
 from zerofx.step_graph import Phase, Role, StepGraph, is_mutating, tag
 
 

@@ -4,7 +4,8 @@ import torch
 
 from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
 from zerofx import collectives
-from zerofx.capture import StepBinding, capture
+from zerofx.binding import StepBinding
+from zerofx.capture import capture
 from zerofx.passes import PassContext, broadcast_buffers, bucket_allreduce, pipeline, remove_profiler_ops
 from zerofx.step_graph import Phase, Role, StepGraph, tag
 

@@ -7,7 +7,8 @@ import zerofx
 from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
 from nanogpt import GPTConfig
 from zerofx import collectives
-from zerofx.capture import StepBinding, capture
+from zerofx.binding import StepBinding
+from zerofx.capture import capture
 from zerofx.formulas import formula
 from zerofx.passes import PassContext, pipeline
 from zerofx.report import paper_table

@@ -13,7 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from zerofx import collectives, guards, optim_support, ranks, runtime
-from zerofx.capture import StepBinding
+from zerofx.binding import StepBinding
 from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext

@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from zerofx import optim_support
-from zerofx.capture import StepBinding
+from zerofx.binding import StepBinding
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:

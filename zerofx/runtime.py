@@ -11,7 +11,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from zerofx import collectives, dump
-from zerofx.capture import CapturedStep, StepBinding, capture, input_values
+from zerofx.binding import StepBinding, input_values
+from zerofx.capture import CapturedStep, capture
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision

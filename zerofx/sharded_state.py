@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerofx.capture import StepBinding
+from zerofx.binding import StepBinding
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.sharding import ParamLayout
 from zerofx.step_graph import Role, Slot

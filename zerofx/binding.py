@@ -1,0 +1,168 @@
+"""Where a train step's modules, optimizers and batch sit among its arguments, and the graph inputs they give."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from zerofx import optim_support
+from zerofx.errors import CaptureError
+from zerofx.mixed_precision import MixedPrecision
+from zerofx.step_graph import Role, Slot
+
+
+@dataclass
+class StepBinding:
+    """Where the step's modules, optimizers and batch sit among the user's arguments, and the names of the state."""
+
+    module_positions: list[int]
+    optimizer_positions: list[int]
+    params: dict[str, nn.Parameter]  # fqn -> parameter (tied parameters under their first name)
+    param_aliases: dict[str, str]  # every parameter name -> its fqn in ``params``
+    buffers: dict[str, torch.Tensor]
+    buffer_aliases: dict[str, str]
+
+    @classmethod
+    def from_args(cls, args: tuple) -> "StepBinding":
+        module_positions = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
+        optimizer_positions = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
+        if not module_positions:
+            raise CaptureError("no nn.Module among the train step's arguments",
+                               hint="call it as step(model, optimizer, *batch)")
+        if not optimizer_positions:
+            raise CaptureError("no torch.optim.Optimizer among the train step's arguments",
+                               hint="call it as step(model, optimizer, *batch)")
+        params, param_aliases, buffers, buffer_aliases = {}, {}, {}, {}
+        for pos in module_positions:
+            prefix = "" if len(module_positions) == 1 else f"arg{pos}."
+            _collect(args[pos].named_parameters(remove_duplicate=False), prefix, params, param_aliases)
+            _collect(args[pos].named_buffers(remove_duplicate=False), prefix, buffers, buffer_aliases)
+        binding = cls(module_positions, optimizer_positions, params, param_aliases, buffers, buffer_aliases)
+        binding._check_optimizers(args)
+        return binding
+
+    def _check_optimizers(self, args: tuple) -> None:
+        known = {id(p) for p in self.params.values()}
+        for pos in self.optimizer_positions:
+            opt = args[pos]
+            optim_support.spec_for(opt)
+            for gi, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    if id(p) not in known:
+                        raise CaptureError(
+                            f"optimizer parameter not in the module: param_groups[{gi}] of "
+                            f"{type(opt).__name__} (argument {pos}) holds a tensor of shape {tuple(p.shape)} that "
+                            "no nn.Module argument owns",
+                            hint="pass every module whose parameters the optimizer updates to the train step",
+                        )
+
+    @functools.cached_property
+    def fqn_of(self) -> dict[int, str]:
+        """id(parameter) -> its fqn."""
+        return {id(p): fqn for fqn, p in self.params.items()}
+
+    def modules(self, args: tuple) -> list[nn.Module]:
+        return [args[i] for i in self.module_positions]
+
+    def optimizers(self, args: tuple) -> list[torch.optim.Optimizer]:
+        return [args[i] for i in self.optimizer_positions]
+
+    def batch(self, args: tuple) -> list:
+        taken = set(self.module_positions) | set(self.optimizer_positions)
+        return [a for i, a in enumerate(args) if i not in taken]
+
+
+def _collect(named, prefix, canonical: dict, aliases: dict) -> None:
+    by_id = {id(t): fqn for fqn, t in canonical.items()}
+    for name, t in named:
+        full = prefix + name
+        if id(t) not in by_id:
+            canonical[full] = t
+            by_id[id(t)] = full
+        aliases[full] = by_id[id(t)]
+
+
+def input_slots(binding: StepBinding, args: tuple, mixed: MixedPrecision | None = None) -> list[Slot]:
+    """The graph's inputs, in order: parameters (and master weights), buffers, existing grads, optimizer state,
+    hyperparameters, batch."""
+    slots = [Slot(Role.PARAM, fqn) for fqn in binding.params]
+    if mixed is not None:
+        slots += [Slot(Role.MASTER, fqn) for fqn, p in binding.params.items() if p.requires_grad]
+    slots += [Slot(Role.BUFFER, fqn) for fqn in binding.buffers]
+    if mixed is not None and mixed.scaling is not None:
+        slots += [Slot(Role.LOSS_SCALE), Slot(Role.GROWTH_TRACKER)]
+    if mixed is None:
+        slots += [Slot(Role.GRAD_IN, fqn) for fqn, p in binding.params.items() if p.requires_grad]
+    fqn_of = binding.fqn_of
+    for oi, opt in enumerate(binding.optimizers(args)):
+        spec = optim_support.spec_for(opt)
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                for key, value in opt.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        slots.append(Slot(Role.OPT_STATE, fqn_of[id(p)], key, optimizer=oi))
+            for hkey in spec.tensor_hyperparams:
+                slots.append(Slot(Role.HYPERPARAM, None, optim_support.hyperparam_name(hkey), gi, oi))
+    leaves = pytree.tree_leaves(binding.batch(args))
+    slots += [Slot(Role.BATCH, key=str(i)) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    return slots
+
+
+def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_trace: bool,
+                 override: Callable[[Slot], Any] | None = None, mixed: MixedPrecision | None = None) -> list:
+    """The values to feed the graph for ``slots``: from ``override`` (the state a sharded step owns) where it has
+    one, else from the module, optimizer and batch. For tracing, trainable parameters are leaves requiring grad."""
+    optimizers = binding.optimizers(args)
+    by_fqn = {}
+    for oi, opt in enumerate(optimizers):
+        for p, state in opt.state.items():
+            by_fqn[(oi, binding.fqn_of.get(id(p)))] = state
+    batch_leaves = [leaf for leaf in pytree.tree_leaves(binding.batch(args)) if isinstance(leaf, torch.Tensor)]
+    batch_iter = iter(batch_leaves)
+    values = []
+    for s in slots:
+        owned = override(s) if override is not None else None
+        if owned is not None:
+            values.append(owned.requires_grad_(True) if for_trace and s.role == Role.PARAM
+                          and binding.params[s.fqn].requires_grad else owned)
+        elif s.role == Role.PARAM:
+            p = binding.params[s.fqn]
+            compute = p.detach().to(mixed.param_dtype) if mixed is not None and p.requires_grad else p.detach()
+            values.append(compute.requires_grad_(p.requires_grad) if for_trace else compute)
+        elif s.role == Role.MASTER:
+            values.append(binding.params[s.fqn].detach())
+        elif s.role == Role.LOSS_SCALE:  # first trace, before the step owns the scale
+            values.append(torch.tensor(mixed.scaling.init_scale, dtype=torch.float32))
+        elif s.role == Role.GROWTH_TRACKER:
+            values.append(torch.tensor(0, dtype=torch.int32))
+        elif s.role == Role.BUFFER:
+            values.append(binding.buffers[s.fqn])
+        elif s.role == Role.GRAD_IN:
+            p = binding.params[s.fqn]
+            # a step that accumulates into .grad reads zeros where eager would start from None: same values
+            if p.grad is not None:
+                values.append(p.grad)
+            else:  # tracing only needs shape and dtype; an untouched empty tensor costs no resident memory
+                values.append(torch.empty_like(p) if for_trace else torch.zeros_like(p))
+        elif s.role == Role.OPT_STATE:
+            values.append(by_fqn[(s.optimizer, s.fqn)][s.key])
+        elif s.role == Role.HYPERPARAM:
+            group = optimizers[s.optimizer].param_groups[s.group]
+            value = optim_support.read_hyperparam(group, _parse_hyperparam(s.key))
+            # traced from a tensor (make_fx lifts tensors, not floats); the graph then takes the float itself
+            values.append(torch.tensor(value, dtype=torch.float64) if for_trace else value)
+        elif s.role == Role.BATCH:
+            values.append(next(batch_iter))
+    return values
+
+
+def _parse_hyperparam(name: str) -> optim_support.HyperparamKey:
+    if name.endswith("]"):
+        base, index = name[:-1].split("[")
+        return base, int(index)
+    return name, None

@@ -1,0 +1,144 @@
+"""What capture hooks into while make_fx traces: phase events, backward (and loss scaling), the optimizer swap."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+from zerofx import optim_support
+from zerofx.binding import StepBinding
+from zerofx.errors import CaptureError
+from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot
+
+
+class PhaseRecorder:
+    """Tags nodes with their phase while make_fx traces: at each event (a module's forward begins, backward begins
+    or ends, the optimizer's step begins or ends) the nodes created since the last event get the phase they were
+    created in. Between a backward and what follows it, the phase is decided by what comes next: gradient
+    post-processing before the optimizer (clipping) belongs to the optimizer; before another forward, to backward."""
+
+    def __init__(self):
+        self.phase: Phase | None = Phase.FORWARD  # None: after a backward, until the next event decides
+        self.microbatch = 0
+        self.in_optimizer_step = False
+        self.seen_backward = False
+        # (node, slot) pairs: the node holding a gradient at the moment of the event. Gradients are updated in
+        # place (accumulation, clipping), so the tensor's final node would be the wrong one.
+        self.grad_nodes: list[tuple[fx.Node, Slot]] = []
+
+    def note_grads(self, fake_params: dict, role: Role) -> None:
+        mode = get_proxy_mode()
+        for fqn, p in fake_params.items():
+            if p.grad is not None:
+                self.grad_nodes.append((get_proxy_slot(p.grad, mode.tracer).proxy.node, Slot(role, fqn)))
+
+    def _flush(self, pending_phase: Phase) -> None:
+        mode = get_proxy_mode()
+        if mode is None:
+            return
+        for node in mode.tracer.graph.nodes:
+            if TAG not in node.meta:
+                node.meta[TAG] = NodeTag(self.phase or pending_phase, self.microbatch, [], self.in_optimizer_step)
+
+    def event(self, name: str) -> None:
+        if name == "forward_start":
+            self._flush(Phase.BACKWARD)
+            if self.phase != Phase.FORWARD:
+                self.microbatch += 1 if self.seen_backward else 0
+                self.phase = Phase.FORWARD
+        elif name == "backward_start":
+            self._flush(Phase.FORWARD)
+            self.phase, self.seen_backward = Phase.BACKWARD, True
+        elif name == "backward_end":
+            self._flush(Phase.BACKWARD)
+            self.phase = None
+        elif name == "optimizer_start":
+            self._flush(Phase.OPTIMIZER)
+            self.phase, self.in_optimizer_step = Phase.OPTIMIZER, True
+        elif name == "optimizer_end":
+            self._flush(Phase.OPTIMIZER)
+            self.in_optimizer_step = False
+        elif name == "step_end":
+            self._flush(Phase.OPTIMIZER)
+
+    def tag_rest(self, graph: fx.Graph) -> None:
+        for node in graph.nodes:
+            if TAG not in node.meta:
+                node.meta[TAG] = NodeTag(Phase.OPTIMIZER if node.op == "output" else Phase.FORWARD, self.microbatch)
+
+
+@contextlib.contextmanager
+def hook(handle):
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def on_optimizer_start(recorder: PhaseRecorder, fake_params: dict) -> None:
+    recorder.event("optimizer_start")
+    recorder.note_grads(fake_params, Role.OPTIMIZER_GRAD)
+
+
+@contextlib.contextmanager
+def track_backward(recorder: PhaseRecorder, fake_params: dict, loss_scale: torch.Tensor | None):
+    """Phase events around ``torch.autograd.backward``; with loss scaling, backward starts from loss * scale."""
+    real_backward = torch.autograd.backward
+
+    def backward(*a, **k):
+        if loss_scale is not None:
+            if not (a and isinstance(a[0], torch.Tensor) and a[0].numel() == 1):
+                raise CaptureError("loss scaling needs backward() of one scalar loss",
+                                   hint="call loss.backward() on the scalar loss")
+            a = (a[0].float() * loss_scale,) + a[1:]
+        recorder.event("backward_start")
+        try:
+            return real_backward(*a, **k)
+        finally:
+            recorder.event("backward_end")
+            recorder.note_grads(fake_params, Role.GRAD)
+
+    with mock.patch.object(torch.autograd, "backward", backward):
+        yield
+
+
+@contextlib.contextmanager
+def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes: dict, fake_params: dict):
+    """Point the optimizer at the traced parameters (``fake_params``: fqn -> what it updates, the master weights
+    under mixed precision), state and tensor hyperparameters; restore it after."""
+    spec = optim_support.spec_for(opt)
+    fqn_of = binding.fqn_of
+    fake_state = {(s.fqn, s.key): fakes[i] for i, s in enumerate(slots)
+                  if s.role == Role.OPT_STATE and s.optimizer == oi}
+    hyper = {(s.group, s.key): fakes[i] for i, s in enumerate(slots)
+             if s.role == Role.HYPERPARAM and s.optimizer == oi}
+    saved_groups = [dict(g) for g in opt.param_groups]
+    saved_state = opt.state
+    new_state = type(saved_state)(dict) if isinstance(saved_state, dict) else {}
+    for gi, group in enumerate(opt.param_groups):
+        fakes_in_group = []
+        for p in group["params"]:
+            fp = fake_params[fqn_of[id(p)]]
+            fakes_in_group.append(fp)
+            if p in saved_state:
+                new_state[fp] = {k: fake_state.get((fqn_of[id(p)], k), v) for k, v in saved_state[p].items()}
+        group["params"] = fakes_in_group
+        for hkey in spec.tensor_hyperparams:
+            # .item() in the graph: the optimizer computes with a Python float, in double, exactly as eager does
+            value = hyper[(gi, optim_support.hyperparam_name(hkey))].item()
+            optim_support.write_hyperparam(group, hkey, value)
+        for flag, value in optim_support.KERNEL_FLAGS.items():
+            if flag in group:
+                group[flag] = value
+    opt.state = new_state
+    try:
+        yield
+    finally:
+        for group, saved in zip(opt.param_groups, saved_groups):
+            group.clear()
+            group.update(saved)
+        opt.state = saved_state
