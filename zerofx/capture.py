@@ -16,7 +16,7 @@ graph as it grows when a module's forward, ``torch.autograd.backward`` and the o
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -42,8 +42,6 @@ class CapturedStep:
     outputs: list[Slot]
     user_out_spec: pytree.TreeSpec
     user_out_constants: dict[int, Any]  # leaves of the user's output that are not tensors
-    trace_seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
@@ -51,9 +49,6 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     """Trace ``train_step(*args)`` with fake tensors into a tagged ATen graph. Nothing real is computed or changed.
     ``override`` supplies stand-ins for state the module no longer holds (a sharded step re-tracing); ``mixed``
     traces forward and backward in its ``param_dtype`` with the optimizer on fp32 master weights."""
-    import time
-
-    start = time.perf_counter()
     optimizers = binding.optimizers(args)
     modules = binding.modules(args)
     for opt in optimizers:
@@ -136,8 +131,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     _hyperparams_as_floats(gm.graph)
     kept = _tag_outputs(gm.graph, out_slots)
     gm.recompile()
-    return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"],
-                        trace_seconds=time.perf_counter() - start)
+    return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"])
 
 
 def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_params, fake_masters,

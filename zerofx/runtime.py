@@ -28,6 +28,7 @@ class CompiledGraph:
     ctx: PassContext
     input_slots: list[Slot]
     output_slots: list[Slot]
+    left_grads: set[str] = field(default_factory=set)  # parameters whose .grad the step sets; the others it clears
     snapshots: dict[str, fx.GraphModule] = field(default_factory=dict)  # "capture" and each pass's name
     verified: bool = False
 
@@ -65,7 +66,9 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
 
     gm = pipeline(ctx.stage).run(captured.gm, ctx, after_each)
     sg = StepGraph(gm)
-    return CompiledGraph(captured, gm, ctx, sg.input_slots(), sg.output_slots(), snapshots)
+    outputs = sg.output_slots()
+    left_grads = {s.fqn for s in outputs if s.role == Role.GRAD_OUT}
+    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, left_grads, snapshots)
 
 
 def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: ShardedState | None,
@@ -87,9 +90,8 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
             optimizers[slot.optimizer].state[binding.params[slot.fqn]][slot.key] = value
         elif slot.role == Role.NEW_BUFFER:
             _set_buffer(binding, args, slot.fqn, value)
-    left_grads = {s.fqn for s in compiled.output_slots if s.role == Role.GRAD_OUT}
     for fqn, p in binding.params.items():
-        if p.requires_grad and fqn not in left_grads:
+        if p.requires_grad and fqn not in compiled.left_grads:
             p.grad = None  # the step left no gradient (zero_grad at its end, or a sharded stage)
     leaves = [user_leaves[i] for i in range(len(user_leaves))]
     return pytree.tree_unflatten(leaves, compiled.captured.user_out_spec)

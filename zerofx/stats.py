@@ -51,9 +51,8 @@ def ring_volume(records: list[CollectiveRecord]) -> float:
 
 
 def measure(config, compiled, binding, args, owned, records, probe, traces: int) -> StepStats:
-    trainable = [p for p in binding.params.values() if p.requires_grad or owned is not None]
     num_params = sum(layout.numel for layout in owned.layouts.values()) if owned else \
-        sum(p.numel() for p in trainable)
+        sum(p.numel() for p in binding.params.values() if p.requires_grad)
     mixed = config.mixed_precision
     module_params = [p for p in binding.params.values() if p.requires_grad]
     module_state = [v for opt in binding.optimizers(args) for s in opt.state.values() for v in s.values()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
 TAG = "zerofx"
@@ -194,7 +193,3 @@ class StepGraph:
         ]
         return (nodes[0], nodes[-1]) if nodes else None
 
-
-def value_meta(node: fx.Node) -> torch.Tensor | None:
-    val = node.meta.get("val")
-    return val if isinstance(val, torch.Tensor) else None
