@@ -4,17 +4,18 @@
     loss = step(model, optimizer, x, y)
 """
 
-from zerofx import passes
+from zerofx import checkpoint, passes
 from zerofx.api import CompiledStep, Config, compile
 from zerofx.collectives import CollectiveRecord
-from zerofx.errors import CaptureError, RankMismatchError
+from zerofx.errors import CaptureError, CheckpointError, RankMismatchError
 from zerofx.memory import LiveStorageTracker
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.report import report
-from zerofx.state_dict import full_state_dict, load_full_state_dict
+from zerofx.state_dict import full_state_dict, load_state_dict, state_dict
 from zerofx.stats import StepStats
 
 __all__ = [
-    "compile", "CompiledStep", "Config", "CaptureError", "RankMismatchError", "StepStats", "CollectiveRecord",
-    "LiveStorageTracker", "MixedPrecision", "passes", "full_state_dict", "load_full_state_dict", "report",
+    "compile", "CompiledStep", "Config", "MixedPrecision", "CaptureError", "CheckpointError", "RankMismatchError",
+    "state_dict", "load_state_dict", "full_state_dict", "checkpoint", "StepStats", "CollectiveRecord",
+    "LiveStorageTracker", "report", "passes",
 ]

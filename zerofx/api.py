@@ -19,6 +19,7 @@ from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext
 from zerofx.sharded_state import ShardedState
 from zerofx.sharding import ParamLayout
+from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, measure
 
 log = logging.getLogger("zerofx")
@@ -84,7 +85,29 @@ class CompiledStep:
         self._last_records = records
         return out
 
+    def bind(self, *args) -> "CompiledStep":
+        """Bind the step to its model, optimizer and an example batch, called as the step is, without training:
+        capture the graph and take the sharded state, so that ``zerofx.state_dict(self)`` is the target
+        ``torch.distributed.checkpoint.load`` fills before the first step. Every rank calls it."""
+        self._prepare(args)
+        return self
+
+    def state_dict(self) -> dict:
+        """This rank's shards in place (``zerofx.state_dict``); with ``load_state_dict`` the step is a DCP
+        ``Stateful``: ``dcp.save({"train": step}, ...)`` and ``dcp.load`` work on it directly."""
+        return step_state(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        load_step_state(self, sd)
+
     def _step(self, args: tuple):
+        compiled = self._prepare(args)
+        self._last_probe = StepProbe(compiled.gm) if self.config.track_memory else None
+        return runtime.execute(compiled, binding=self._binding, args=args, state=self._owned,
+                               probe=self._last_probe)
+
+    def _prepare(self, args: tuple) -> runtime.CompiledGraph:
+        """Bind, guard, capture on a new key, take the sharded state on the first call: all but running."""
         binding = self._bind(args)
         self._args = args
         for opt in binding.optimizers(args):
@@ -112,8 +135,7 @@ class CompiledStep:
             if self.config.stage >= 1:
                 self._owned_parts = guards.owned_parts(key)
         self._last_key, self._last = key, compiled
-        self._last_probe = StepProbe(compiled.gm) if self.config.track_memory else None
-        return runtime.execute(compiled, binding, args, self._owned, self._last_probe)
+        return compiled
 
     def _bind(self, args: tuple) -> StepBinding:
         ids = tuple(id(a) for a in args if isinstance(a, (nn.Module, torch.optim.Optimizer)))

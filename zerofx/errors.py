@@ -26,6 +26,10 @@ class RankMismatchError(RuntimeError):
     """Ranks are about to run different graphs; raised on every rank before any collective could hang."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete or does not fit the run loading it; raised before anything is loaded."""
+
+
 _LIBRARY_DIRS = (
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     os.path.dirname(os.path.abspath(__file__)) + os.sep,  # zerofx/

@@ -1,102 +1,139 @@
-"""Full (unsharded) state of a compiled step: gather it for inspection or saving, or load one to shard it.
+"""The state of a compiled step as state dicts, keyed by fully qualified names as
+``torch.distributed.checkpoint.state_dict.get_state_dict`` keys them::
 
-Layout, keyed by fully qualified names as ``torch.distributed.checkpoint.state_dict.get_state_dict`` keys them::
-
-    {"model": {"wte.weight": tensor, ..., "bn.running_mean": tensor},
+    {"model": {"wte.weight": ..., "lm_head.weight": ..., "bn.running_mean": ...},     # tied names both listed
      "optimizer": {"state": {"wte.weight": {"step": ..., "exp_avg": ..., "exp_avg_sq": ...}, ...},
                    "param_groups": [{"lr": ..., "params": ["wte.weight", ...]}, ...]},
-     "loss_scale": {"scale": 65536.0, "growth_tracker": 0}}          # float16 mixed precision only
+     "loss_scale": {"scale": ..., "growth_tracker": ...}}           # float16 mixed precision only
+
+``state_dict(step)`` gives this rank's shards in place, for ``torch.distributed.checkpoint``: a sharded tensor is a
+``ShardedTensor`` of the full shape whose local shards are views of the step's own storage (``flat_shards``), a
+replicated one the live tensor itself; ``dcp.save`` writes them without gathering and ``dcp.load`` fills them
+where they live. ``full_state_dict(step)`` gathers full copies. ``load_state_dict(step, sd)`` takes either, or
+DTensors such as FSDP2's; it checks every key and shape before it changes anything. Parameters are in their master
+precision (fp32 under mixed precision); the low-precision compute copies are derived from them on load.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
-from zerofx.sharding import gather_full
+from zerofx.flat_shards import rank_boxes, sharded_view
+from zerofx.sharding import ParamLayout, gather_full
+
+
+def state_dict(step) -> dict:
+    """This rank's part of the step's state, in place. Every rank calls it (no communication)."""
+    binding, args, owned = _bound(step)
+    params = {fqn: _param_in_place(fqn, binding, owned) for fqn in binding.params}
+    return _assemble(step, params, lambda oi, fqn, key, value: _state_in_place(oi, fqn, key, value, owned),
+                     {"scale": owned.loss_scale, "growth_tracker": owned.growth_tracker} if _scaled(owned) else None)
 
 
 def full_state_dict(step, *, rank0_only: bool = False) -> dict:
-    """Every rank must call it (stage 3 gathers). With ``rank0_only`` the other ranks get an empty dict."""
+    """Full copies of the step's state. Every rank must call it (stages 1-3 gather); with ``rank0_only`` the other
+    ranks get an empty dict."""
     binding, args, owned = _bound(step)
+    params = {fqn: _full_param(fqn, binding, owned) for fqn in binding.params}
+    out = _assemble(step, params, lambda oi, fqn, key, value: _full_state(oi, fqn, key, value, owned),
+                    {"scale": owned.loss_scale.item(), "growth_tracker": int(owned.growth_tracker.item())}
+                    if _scaled(owned) else None)
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return out
+
+
+def load_state_dict(step, sd: dict) -> None:
+    """Load ``sd`` (this module's layout, with full tensors, this step's sharded ones, or DTensors) into the step:
+    each rank keeps its shards. Raises ``KeyError`` naming every missing or unexpected key and ``ValueError`` for a
+    shape that differs, before anything is changed."""
+    binding, args, owned = _bound(step)
+    expected = state_dict(step)
+    _check_fits(expected, sd, binding)
+    with torch.no_grad():
+        for fqn in binding.params:
+            _load_param(fqn, sd["model"][fqn], binding, owned)
+        for name in _persistent_buffers(binding, args):
+            binding.buffers[binding.buffer_aliases[name]].copy_(_full(sd["model"][name], name))
+        opt_sds = sd["optimizer"] if isinstance(sd["optimizer"], list) else [sd["optimizer"]]
+        for oi, (opt, saved) in enumerate(zip(binding.optimizers(args), opt_sds)):
+            _load_optimizer(oi, opt, saved, binding, owned)
+        if _scaled(owned) and "loss_scale" in sd:
+            owned.loss_scale.fill_(float(sd["loss_scale"]["scale"]))
+            owned.growth_tracker.fill_(int(sd["loss_scale"]["growth_tracker"]))
+        _refresh_compute_copies(binding, owned)
+
+
+def _bound(step):
+    if step._binding is None or (step._owned is None and (step.config.stage >= 1 or step.config.mixed_precision)):
+        raise RuntimeError("the step is not bound to a model and optimizer yet: call step.bind(model, optimizer, "
+                           "*example_batch) or run it once")
+    return step._binding, step._args, step._owned
+
+
+def _scaled(owned) -> bool:
+    return owned is not None and owned.loss_scale is not None
+
+
+def _assemble(step, params: dict, state_value, loss_scale: dict | None) -> dict:
+    binding, args = step._binding, step._args
+    model = {name: params[fqn] for name, fqn in binding.param_aliases.items()}
+    for name in _persistent_buffers(binding, args):
+        model[name] = binding.buffers[binding.buffer_aliases[name]].detach()
     fqn_of = binding.fqn_of
-    model = {}
-    for name, fqn in binding.param_aliases.items():
-        model[name] = _full_param(fqn, binding, owned)
-    for name, fqn in binding.buffer_aliases.items():
-        model[name] = binding.buffers[fqn].detach().clone()
     optimizers = []
     for oi, opt in enumerate(binding.optimizers(args)):
         state = {}
         for p, entries in opt.state.items():
             fqn = fqn_of[id(p)]
-            state[fqn] = {key: _full_state(oi, fqn, key, value, owned) for key, value in entries.items()}
+            state[fqn] = {key: state_value(oi, fqn, key, value) for key, value in entries.items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(p)] for p in g["params"]]}
                   for g in opt.param_groups]
         optimizers.append({"state": state, "param_groups": groups})
-    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
-        return {}
     out = {"model": model, "optimizer": optimizers[0] if len(optimizers) == 1 else optimizers}
-    if owned is not None and owned.loss_scale is not None:
-        out["loss_scale"] = {"scale": owned.loss_scale.item(), "growth_tracker": int(owned.growth_tracker.item())}
+    if loss_scale is not None:
+        out["loss_scale"] = loss_scale
     return out
 
 
-def load_full_state_dict(step, state_dict: dict) -> None:
-    """Load a full state dict (the layout above) into the step: each rank keeps its shards."""
-    binding, args, owned = _bound(step)
-    model = state_dict["model"]
-    missing = sorted(set(binding.param_aliases) - set(model))
-    extra = sorted(set(model) - set(binding.param_aliases) - set(binding.buffer_aliases))
-    if missing or extra:
-        raise KeyError(f"state dict does not fit the model: missing {missing}, unexpected {extra}")
-    with torch.no_grad():
-        for fqn, p in binding.params.items():
-            value = model[fqn]
-            if owned is not None and fqn in owned.layouts:
-                layout = owned.layouts[fqn]
-                target = owned.params[fqn]
-                compute = value.to(target.dtype)
-                if owned.stage == 0:
-                    target.copy_(compute)
-                    p.copy_(value)
-                else:
-                    target.copy_(layout.padded_flat(compute) if target.numel() == layout.padded_numel
-                                 else layout.shard_of(compute, owned.rank))
-                if fqn in owned.masters:
-                    owned.masters[fqn].copy_(layout.shard_of(value, owned.rank))
-            else:
-                p.copy_(value)
-        for fqn, buf in binding.buffers.items():
-            buf.copy_(model[fqn])
-        fqn_of = binding.fqn_of
-        opt_sds = state_dict["optimizer"] if isinstance(state_dict["optimizer"], list) else [state_dict["optimizer"]]
-        for oi, (opt, sd) in enumerate(zip(binding.optimizers(args), opt_sds)):
-            for p, entries in opt.state.items():
-                fqn = fqn_of[id(p)]
-                for key in entries:
-                    value = sd["state"][fqn][key]
-                    if owned is not None and (oi, fqn, key) in owned.opt_state:
-                        target = owned.opt_state[(oi, fqn, key)]
-                        sharded = (oi, fqn, key) in owned.sharded_state_keys
-                        target.copy_(owned.layouts[fqn].shard_of(value, owned.rank) if sharded else value)
-                    else:
-                        entries[key].copy_(value)
-            for group, saved in zip(opt.param_groups, sd["param_groups"]):
-                group.update({k: v for k, v in saved.items() if k != "params"})
-        if "loss_scale" in state_dict and owned is not None and owned.loss_scale is not None:
-            owned.loss_scale.fill_(state_dict["loss_scale"]["scale"])
-            owned.growth_tracker.fill_(state_dict["loss_scale"]["growth_tracker"])
+def _persistent_buffers(binding, args) -> list[str]:
+    """Buffer names a module's own ``state_dict`` lists (non-persistent ones are left out, as there)."""
+    names = []
+    for pos, module in zip(binding.module_positions, binding.modules(args)):
+        prefix = "" if len(binding.module_positions) == 1 else f"arg{pos}."
+        names += [prefix + n for n in module.state_dict(keep_vars=True) if prefix + n in binding.buffer_aliases]
+    return names
 
 
-def _bound(step):
-    if step._binding is None:
-        raise RuntimeError("the step has not run yet: its state is bound on the first call")
-    return step._binding, step._args, step._owned
+# --- in place ----------------------------------------------------------------------------------------------------
 
+def _sharded(layout: ParamLayout, shard: torch.Tensor, rank: int):
+    return layout.unpad(shard) if layout.world_size == 1 else sharded_view(layout, shard, rank)
+
+
+def _param_in_place(fqn, binding, owned):
+    if owned is None or fqn not in owned.layouts or owned.stage == 0:
+        return binding.params[fqn].detach()
+    layout = owned.layouts[fqn]
+    if fqn in owned.masters:
+        return _sharded(layout, owned.masters[fqn], owned.rank)
+    stored = owned.params[fqn]
+    return layout.unpad(stored) if stored.numel() == layout.padded_numel else _sharded(layout, stored, owned.rank)
+
+
+def _state_in_place(oi, fqn, key, value, owned):
+    if owned is not None and (oi, fqn, key) in owned.sharded_state_keys:
+        return _sharded(owned.layouts[fqn], owned.opt_state[(oi, fqn, key)], owned.rank)
+    stored = owned.opt_state.get((oi, fqn, key), value) if owned is not None else value
+    return stored.detach() if isinstance(stored, torch.Tensor) else stored
+
+
+# --- gathered ----------------------------------------------------------------------------------------------------
 
 def _full_param(fqn, binding, owned) -> torch.Tensor:
-    """The full parameter in its master precision: fp32 under mixed precision."""
     if owned is None or fqn not in owned.layouts or owned.stage == 0:
         return binding.params[fqn].detach().clone()
     layout = owned.layouts[fqn]
@@ -107,9 +144,128 @@ def _full_param(fqn, binding, owned) -> torch.Tensor:
 
 
 def _full_state(oi, fqn, key, value, owned):
-    if owned is None:
-        return value.detach().clone() if isinstance(value, torch.Tensor) else value
-    if (oi, fqn, key) in owned.sharded_state_keys:
+    if owned is not None and (oi, fqn, key) in owned.sharded_state_keys:
         return gather_full(owned.layouts[fqn], owned.opt_state[(oi, fqn, key)])
-    stored = owned.opt_state.get((oi, fqn, key), value)
+    stored = owned.opt_state.get((oi, fqn, key), value) if owned is not None else value
     return stored.detach().clone() if isinstance(stored, torch.Tensor) else stored
+
+
+# --- loading -----------------------------------------------------------------------------------------------------
+
+def _shape(value) -> tuple[int, ...] | None:
+    if isinstance(value, ShardedTensor):
+        return tuple(value.metadata().size)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _check_fits(expected: dict, given: dict, binding) -> None:
+    """Every key of ``expected`` is in ``given`` and no other; tensors have the same shapes; groups hold the same
+    parameters. One error lists every difference."""
+    want, have = flatten(expected), flatten(given)
+    optional = ("loss_scale.",)  # a float16 run's scale: kept or dropped when the precision changes on resume
+    missing = sorted(k for k in set(want) - set(have) if not k.startswith(optional))
+    unexpected = sorted(k for k in set(have) - set(want) if not k.startswith(optional))
+    if missing or unexpected:
+        raise KeyError(f"state dict does not fit the step: missing {missing}, unexpected {unexpected}")
+    shapes = [f"{key}: {_shape(have[key])} given, {_shape(value)} expected" for key, value in want.items()
+              if key in have and isinstance(have[key], torch.Tensor) and _shape(have[key]) != _shape(value)]
+    if shapes:
+        raise ValueError("state dict does not fit the step: shapes differ for " + "; ".join(shapes))
+    for key, value in want.items():
+        if key.endswith(".params") and ".param_groups." in key:
+            mine = [binding.param_aliases[n] for n in value]
+            theirs = [binding.param_aliases.get(n, n) for n in have[key]]
+            if mine != theirs:
+                raise ValueError(f"state dict does not fit the step: {key} holds {theirs}, the optimizer {mine}")
+
+
+def flatten(sd, prefix: str = "") -> dict:
+    """``{dotted.key: value}`` as ``torch.distributed.checkpoint`` flattens nested dicts and lists."""
+    if _is_leaf(sd):
+        return {prefix[:-1]: sd}
+    out = {}
+    for k, v in (sd.items() if isinstance(sd, dict) else enumerate(sd)):
+        out.update(flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def _is_leaf(value) -> bool:
+    """DCP's rule: dicts are traversed; a list too if it holds a tensor, a dict or a traversed list."""
+    if isinstance(value, dict):
+        return False
+    if not isinstance(value, list):
+        return True
+    return not any(isinstance(v, torch.Tensor) or not _is_leaf(v) for v in value)
+
+
+def _full(value, name: str) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, ShardedTensor):
+        raise ValueError(f"{name}: a ShardedTensor of another layout; load it with torch.distributed.checkpoint, "
+                         "which reshards")
+    return value
+
+
+def _shard(value, layout: ParamLayout, rank: int, name: str) -> torch.Tensor:
+    """This rank's flat shard of ``value`` (full, DTensor, or a ShardedTensor laid out as ``layout``)."""
+    if not isinstance(value, ShardedTensor):
+        return layout.shard_of(_full(value, name), rank)
+    boxes = {box.offsets: box for box in rank_boxes(layout, rank)}
+    local = value.local_shards()
+    if sorted(tuple(s.metadata.shard_offsets) for s in local) != sorted(boxes):
+        raise ValueError(f"{name}: sharded for another world size; load it with torch.distributed.checkpoint, "
+                         "which reshards")
+    like = local[0].tensor if local else torch.empty(0, dtype=layout.dtype)
+    shard = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.device)
+    start = rank * layout.shard_numel
+    for s in local:
+        box = boxes[tuple(s.metadata.shard_offsets)]
+        shard[box.flat_start - start:box.flat_start - start + box.numel] = s.tensor.reshape(-1)
+    return shard
+
+
+def _load_param(fqn, value, binding, owned) -> None:
+    p = binding.params[fqn]
+    if owned is None or fqn not in owned.layouts or owned.stage == 0:
+        p.copy_(_full(value, fqn))
+        return
+    layout = owned.layouts[fqn]
+    target = owned.masters.get(fqn, owned.params[fqn])
+    if target.numel() == layout.padded_numel and layout.world_size > 1:  # stages 1-2 store the full parameter
+        full = gather_full(layout, _shard(value, layout, owned.rank, fqn)) if isinstance(value, ShardedTensor) \
+            else _full(value, fqn)
+        target.copy_(layout.padded_flat(full))
+    else:
+        target.copy_(_shard(value, layout, owned.rank, fqn))
+
+
+def _load_optimizer(oi, opt, saved: dict, binding, owned) -> None:
+    fqn_of = binding.fqn_of
+    for p, entries in opt.state.items():
+        fqn = fqn_of[id(p)]
+        for key, current in entries.items():
+            value = saved["state"][fqn][key]
+            name = f"optimizer.state.{fqn}.{key}"
+            if owned is not None and (oi, fqn, key) in owned.sharded_state_keys:
+                owned.opt_state[(oi, fqn, key)].copy_(_shard(value, owned.layouts[fqn], owned.rank, name))
+            elif isinstance(current, torch.Tensor):
+                target = owned.opt_state.get((oi, fqn, key), current) if owned is not None else current
+                target.copy_(_full(value, name))
+            else:
+                entries[key] = value
+    for group, saved_group in zip(opt.param_groups, saved["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+def _refresh_compute_copies(binding, owned) -> None:
+    """Mixed precision: the low-precision parameters forward reads, from the loaded master weights."""
+    if owned is None or owned.mixed is None:
+        return
+    for fqn, layout in owned.layouts.items():
+        if owned.stage == 0:
+            owned.params[fqn].copy_(binding.params[fqn])
+        elif owned.stage < 3:
+            owned.params[fqn].copy_(layout.padded_flat(gather_full(layout, owned.masters[fqn])))
+        else:
+            owned.params[fqn].copy_(owned.masters[fqn])
