@@ -1,8 +1,11 @@
 """Bytes measured at run time, independent of the passes: a dispatch mode that follows live storages.
 
-Every tensor an op reads or writes registers its storage; a storage counts until it is freed. ``peak_bytes`` is the
-high-water mark of the sum over live storages, sampled after every op (so an op's inputs and outputs count together,
-as they coexist). Tensors alive before the block count from the start when passed as ``roots``.
+Every tensor an op reads or writes registers its storage; a storage counts, at its current size, until it is freed.
+The size is read again at every sample because a storage can be resized in place without an op (FSDP2 frees and
+re-allocates its unsharded parameters with ``untyped_storage().resize_``). ``peak_bytes`` is the high-water mark of
+the sum over live storages, sampled after every op (so an op's inputs and outputs count together, as they coexist).
+Tensors alive before the block count from the start when passed as ``roots``. A tensor subclass (DTensor) runs
+first and comes back as ops on plain tensors, which the tracker then sees.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from zerofx.step_graph import Phase, Role, tag
 
@@ -41,11 +44,17 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def _sweep(self) -> None:
         for key, (ref, nbytes) in list(self._live.items()):
-            if ref.expired():
+            storage = None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if storage is None:
                 del self._live[key]
                 self.live_bytes -= nbytes
+            elif storage.nbytes() != nbytes:
+                self._live[key] = (ref, storage.nbytes())
+                self.live_bytes += storage.nbytes() - nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves((args, kwargs, out)):
             if isinstance(t, torch.Tensor) and not t.is_meta:
