@@ -108,6 +108,7 @@ def test_load_state_dict_names_missing_keys_before_changing_anything():
     assert all(torch.equal(full["model"][k], after["model"][k]) for k in full["model"])
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note on single-process use
 def test_the_step_is_a_dcp_stateful(tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -10,9 +10,7 @@ between zerofx's boxes and any other layout of the same shapes, FSDP2's row shar
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -88,11 +86,3 @@ def _box_view(shard: torch.Tensor, box: Box, shard_start: int) -> torch.Tensor:
 def _metadata_of(metadata: list[ShardMetadata], rank: int) -> list[ShardMetadata]:
     return [md for md in metadata if md.placement.rank() == rank]
 
-
-@contextlib.contextmanager
-def quiet_sharded_tensor_warnings():
-    """DCP warns that ShardedTensor is being deprecated each time it reads one's size or device; zerofx builds them
-    on purpose (a DTensor cannot hold a flat range of a multi-dimensional tensor), so say it once, in the docs."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
-        yield

@@ -152,7 +152,11 @@ def _full_state(oi, fqn, key, value, owned):
 
 # --- loading -----------------------------------------------------------------------------------------------------
 
-def _shape(value) -> tuple[int, ...] | None:
+OPTIONAL_KEYS = ("loss_scale.",)  # a float16 run's loss scale: kept or dropped when the precision changes on resume
+
+
+def global_shape(value) -> tuple[int, ...] | None:
+    """The full shape of a tensor, DTensor or ShardedTensor; None for anything else."""
     if isinstance(value, ShardedTensor):
         return tuple(value.metadata().size)
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
@@ -162,13 +166,12 @@ def _check_fits(expected: dict, given: dict, binding) -> None:
     """Every key of ``expected`` is in ``given`` and no other; tensors have the same shapes; groups hold the same
     parameters. One error lists every difference."""
     want, have = flatten(expected), flatten(given)
-    optional = ("loss_scale.",)  # a float16 run's scale: kept or dropped when the precision changes on resume
-    missing = sorted(k for k in set(want) - set(have) if not k.startswith(optional))
-    unexpected = sorted(k for k in set(have) - set(want) if not k.startswith(optional))
+    missing = sorted(k for k in set(want) - set(have) if not k.startswith(OPTIONAL_KEYS))
+    unexpected = sorted(k for k in set(have) - set(want) if not k.startswith(OPTIONAL_KEYS))
     if missing or unexpected:
         raise KeyError(f"state dict does not fit the step: missing {missing}, unexpected {unexpected}")
-    shapes = [f"{key}: {_shape(have[key])} given, {_shape(value)} expected" for key, value in want.items()
-              if key in have and isinstance(have[key], torch.Tensor) and _shape(have[key]) != _shape(value)]
+    shapes = [f"{key}: {global_shape(have[key])} given, {global_shape(value)} expected" for key, value in want.items()
+              if key in have and global_shape(have[key]) not in (None, global_shape(value))]
     if shapes:
         raise ValueError("state dict does not fit the step: shapes differ for " + "; ".join(shapes))
     for key, value in want.items():

@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from zerofx.checkpoint.files import read_metadata
+from zerofx.checkpoint.save_load import quiet_dcp_warnings
 from zerofx.errors import CheckpointError
 
 
@@ -22,7 +23,8 @@ def consolidate(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike |
              if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
     if not model:
         raise CheckpointError(f"{checkpoint_dir} holds no model state (no key starts with 'model.')")
-    dcp.load({"model": model}, checkpoint_id=checkpoint_dir, no_dist=True)
+    with quiet_dcp_warnings():
+        dcp.load({"model": model}, checkpoint_id=checkpoint_dir, no_dist=True)
     if out_path is not None:
         torch.save(model, os.fspath(out_path))
     return model

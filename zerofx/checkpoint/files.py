@@ -13,9 +13,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from zerofx.errors import CheckpointError
-from zerofx.state_dict import flatten
-
-OPTIONAL_PREFIXES = ("loss_scale.",)  # a float16 run's loss scale: kept or dropped when the precision changes
+from zerofx.state_dict import OPTIONAL_KEYS, flatten, global_shape
 
 
 def read_metadata(checkpoint_dir: str) -> Metadata:
@@ -46,9 +44,9 @@ def check_fits(metadata: Metadata, state: dict, checkpoint_dir: str, strict: boo
     saved = metadata.state_dict_metadata
     wanted = flatten(state)
     missing = sorted(k for k in wanted if k not in saved)
-    absent_optional = [k for k in missing if k.startswith(OPTIONAL_PREFIXES)]
+    absent_optional = [k for k in missing if k.startswith(OPTIONAL_KEYS)]
     missing = [k for k in missing if k not in absent_optional]
-    unexpected = sorted(k for k in saved if k not in wanted and not k.startswith(OPTIONAL_PREFIXES)) if strict else []
+    unexpected = sorted(k for k in saved if k not in wanted and not k.startswith(OPTIONAL_KEYS)) if strict else []
     problems = []
     if missing:
         problems.append(f"missing from the checkpoint: {', '.join(_first(missing, 40))}")
@@ -58,7 +56,7 @@ def check_fits(metadata: Metadata, state: dict, checkpoint_dir: str, strict: boo
         md = saved.get(key)
         if md is None or not isinstance(value, torch.Tensor):
             continue
-        shape = tuple(value.metadata().size) if hasattr(value, "local_shards") else tuple(value.shape)
+        shape = global_shape(value)
         if not isinstance(md, TensorStorageMetadata):
             problems.append(f"{key}: a tensor of shape {shape} here, not a tensor in the checkpoint")
         elif tuple(md.size) != shape:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -10,7 +12,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from zerofx.checkpoint.files import check_fits, read_metadata
 from zerofx.errors import CheckpointError
-from zerofx.flat_shards import quiet_sharded_tensor_warnings
 from zerofx.state_dict import load_state_dict, state_dict
 
 STEP_KEYS = ("model", "optimizer", "loss_scale")
@@ -20,7 +21,7 @@ def save(step, checkpoint_dir: str | os.PathLike, extra: dict | None = None) -> 
     """Write this rank's shards of ``step``'s state, and ``extra`` (an LR scheduler, the data position: anything
     with ``state_dict()`` / ``load_state_dict()``, or a dict of tensors and picklable values), to
     ``checkpoint_dir``. Every rank calls it; nothing is gathered."""
-    with quiet_sharded_tensor_warnings():
+    with quiet_dcp_warnings():
         dcp.save(_payload(step, extra), checkpoint_id=os.fspath(checkpoint_dir), no_dist=_single_process())
 
 
@@ -43,7 +44,7 @@ def load(step, checkpoint_dir: str | os.PathLike, extra: dict | None = None, *, 
         raise CheckpointError(problem)
     if absent:  # the checkpoint has no loss scale: keep this run's
         del payload["loss_scale"]
-    with quiet_sharded_tensor_warnings():
+    with quiet_dcp_warnings():
         dcp.load(payload, checkpoint_id=checkpoint_dir, no_dist=_single_process())
         load_state_dict(step, {k: payload[k] for k in STEP_KEYS if k in payload})
 
@@ -66,3 +67,14 @@ def _agreed(problem: str | None) -> str | None:
     problems = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     return next((f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None), None)
+
+
+@contextlib.contextmanager
+def quiet_dcp_warnings():
+    """DCP warns that ShardedTensor is being deprecated each time it reads one's size, and that a load without a
+    process group is a single-process one: zerofx builds ShardedTensors on purpose (a DTensor cannot hold a flat
+    range of a multi-dimensional tensor) and chooses single-process loads itself, as its docs say."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
