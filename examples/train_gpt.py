@@ -1,6 +1,8 @@
 """Train a small character-level GPT data-parallel with zerofx.
 
     torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --stage 0
+    torchrun ... --stage 3 --ckpt-dir ckpt --save-every 20        # sharded checkpoints ckpt/step-20, ckpt/step-40, ...
+    python examples/train_gpt.py --stage 0 --resume ckpt/step-40   # continue anywhere: other world size, other stage
 
 Each rank draws its own batches from examples/data/zero.txt; zerofx captures the train step once into one graph
 (forward, backward, AdamW), adds the stage's communication, and runs it on every rank.
@@ -25,6 +27,9 @@ parser.add_argument("--bucket-mb", type=float, default=0.25)
 parser.add_argument("--prefetch", type=int, default=1, help="stage 3: all-gathers issued this many buckets ahead")
 parser.add_argument("--dump-dir", default=None, help="write the graph after capture and after each pass here")
 parser.add_argument("--report", action="store_true", help="measure memory and print zerofx.report at the end")
+parser.add_argument("--ckpt-dir", default=None, help="save a sharded checkpoint here every --save-every steps")
+parser.add_argument("--save-every", type=int, default=20)
+parser.add_argument("--resume", default=None, help="a checkpoint directory to continue from")
 args = parser.parse_args()
 
 # --- processes: torchrun sets the environment; one process needs no group ---------------------------------------
@@ -70,13 +75,23 @@ def train_step(model, optimizer, x, y):
     return loss
 
 
-for step in range(args.steps):
+# --- resume: bind the step (graph and sharded state, no training), then load into it --------------------------------
+progress = {"next_step": torch.tensor(0)}  # saved beside the model: where the data and the loop continue
+if args.resume:
+    train_step.bind(model, optimizer, *get_batch(0))
+    zerofx.checkpoint.load(train_step, args.resume, extra={"scheduler": scheduler, "progress": progress})
+
+for step in range(int(progress["next_step"]), args.steps):
     start = time.perf_counter()
     loss = train_step(model, optimizer, *get_batch(step))
     scheduler.step()
     if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
         print(f"step {step:3d}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}  "
               f"{(time.perf_counter() - start) * 1e3:7.1f} ms")
+    if args.ckpt_dir and (step + 1) % args.save_every == 0:
+        progress["next_step"].fill_(step + 1)
+        zerofx.checkpoint.save(train_step, os.path.join(args.ckpt_dir, f"step-{step + 1}"),
+                               extra={"scheduler": scheduler, "progress": progress})
 
 stats = train_step.stats()
 if rank == 0:
