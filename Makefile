@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install
+.PHONY: demo test install bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,3 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# zerofx beside DDP, FSDP2 and DeepSpeed on 2 and 4 gloo ranks; writes benchmarks/results/peers-<date>.{md,png}.
+# torch is installed first and pinned, so DeepSpeed's dependency on torch cannot replace the CPU build.
+bench: $(STAMP)
+	$(PY) -m pip install -q torch==2.13.0 -e '.[bench]'
+	$(PY) -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) benchmarks/compare_peers.py --size default
