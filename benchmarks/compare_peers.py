@@ -3,9 +3,10 @@
     make bench          # or: .venv/bin/python benchmarks/compare_peers.py --size default
 
 For each world size every rank runs every system (see ``peers/run.py``); this writes
-``benchmarks/results/peers-<date>.md`` (the tables and the exact command) and ``peers-<date>.png`` (peak bytes and
-step-time ratio per system). DeepSpeed is optional (``pip install -e '.[bench]'``); without it, or if it fails,
-the table says why it was skipped. The chart needs matplotlib (the same extra).
+``benchmarks/results/peers-<date>.md`` (the tables and the exact command), ``peers-<date>.png`` (peak bytes and
+step-time ratio per system) and ``peers-<date>.json`` (the raw figures). DeepSpeed is optional
+(``pip install -e '.[bench]'``); without it, or if it fails, the table says why it was skipped. The chart needs
+matplotlib (the same extra).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -92,8 +94,20 @@ means the paper's 2Ψ; gloo implements reduce-scatter through an all-reduce, so 
 per round, against FSDP2 (`reshard_after_forward=True`, same precision) timed in the same round; median (min–max).
 DeepSpeed runs with `DS_ACCELERATOR=cpu`, gloo and `torch_adam`, with buckets (`reduce_bucket_size`,
 `allgather_bucket_size`, `stage3_prefetch_bucket_size`) equal to zerofx's and `stage3_param_persistence_threshold=0`
-so that it shards every parameter as zerofx does; "defaults" rows keep DeepSpeed's own configuration (buckets of
-5e8 elements), one engine at a time.
+so that it shards every parameter as zerofx does, and with `gradient_clipping` 0 (DeepSpeed clips at 1.0 unless
+told, the others do not clip); "defaults" rows keep DeepSpeed's own buckets (5e8 elements), one engine at a time,
+timed in one round. Final losses are compared per precision against the median: fp32 trajectories agree to
+summation order; bf16 ones are identical over the first steps and then drift apart where a system's bf16 path
+rounds differently (DeepSpeed's bucketing, reduction and update differ from FSDP2's and zerofx's, which agree).
+
+Where zerofx's step time goes (torch.profiler and cProfile on 2 ranks): the graph's ATen kernels and the waits on
+gloo collectives; zerofx's own Python around the graph (binding, guard key, writing results back) is under 1 ms
+per step, and its key hash is now cached per key. What is left: at every step the ranks agree on the guard key
+with one blocking 8-byte all-gather before the graph runs (`verify_ranks=True`, the default; about 2 ms here,
+`verify_ranks=False` removes it) — DDP has no such check; it is part of zerofx-0's gap to DDP. In bf16, zerofx
+stores the bf16 parameter shard beside its fp32 master (the paper's 2Ψ + 12Ψ per parameter, over N_d at stage 3),
+while FSDP2 keeps only the fp32 shard and casts it at each all-gather: 2Ψ/N_d more bytes at zerofx-3's peak, which
+is where its bf16 peak exceeds FSDP2's.
 """
 
 
@@ -143,6 +157,8 @@ def main(argv: list[str] | None = None) -> tuple[str, list[dict]]:
     else:
         lines += ["Chart skipped: matplotlib is not installed (`pip install -e '.[bench]'`).", ""]
     lines += [NOTES]
+    with open(stem + ".json", "w") as f:
+        json.dump({"command": command.strip(), "runs": runs}, f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

@@ -10,15 +10,37 @@ MiB = 2**20
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}
 
 
-def losses_agree(results: list[dict]) -> dict[str, bool]:
-    """Per precision: every system's final loss within LOSS_RTOL of the median of that precision's losses."""
+def loss_outliers(results: list[dict]) -> dict[str, list[str]]:
+    """Per precision: the systems whose final loss is not within LOSS_RTOL of the median of that precision's."""
     out = {}
     for precision, rtol in LOSS_RTOL.items():
-        losses = [r["final_loss"] for r in results if r["precision"] == precision]
-        if losses:
-            mid = statistics.median(losses)
-            out[precision] = all(math.isfinite(x) and abs(x - mid) <= rtol * abs(mid) for x in losses)
+        same = [r for r in results if r["precision"] == precision]
+        if same:
+            mid = statistics.median(r["final_loss"] for r in same)
+            out[precision] = [f"{r['name']} ({(r['final_loss'] - mid) / mid:+.1%})" for r in same
+                              if not (math.isfinite(r["final_loss"]) and abs(r["final_loss"] - mid) <= rtol * abs(mid))]
     return out
+
+
+def losses_agree(results: list[dict]) -> dict[str, bool]:
+    return {precision: not outliers for precision, outliers in loss_outliers(results).items()}
+
+
+def targets(run: dict) -> list[str]:
+    """zerofx-3 against FSDP2 (reshard) in peak bytes and time, zerofx-0 against DDP in time, per round."""
+    by = {(r["name"], r["precision"]): r for r in run["results"]}
+    lines = []
+    for precision in LOSS_RTOL:
+        ours, fsdp = by.get(("zerofx-3", precision)), by.get(("FSDP2 reshard", precision))
+        if ours and fsdp:
+            lines.append(f"zerofx-3 {precision}: peak {ours['peak_bytes'] / fsdp['peak_bytes']:.3f}× FSDP2 reshard's "
+                         f"({(ours['peak_bytes'] - fsdp['peak_bytes']) / MiB:+.2f} MiB), step time {_ratio(ours)}×.")
+    ours, ddp = by.get(("zerofx-0", "fp32")), by.get(("DDP", "fp32"))
+    if ours and ddp:
+        per_round = [a / b for a, b in zip(ours["step_ms"], ddp["step_ms"])]
+        lines.append(f"zerofx-0 fp32: step time {statistics.median(per_round):.2f}× DDP's "
+                     f"({min(per_round):.2f}–{max(per_round):.2f} over rounds).")
+    return lines
 
 
 def _ratio(r: dict) -> str:
@@ -40,9 +62,11 @@ def table(run: dict) -> str:
             f"{r['formula_bytes'] / MiB:.2f} ({r['stage']}) | {r['collectives']} | "
             f"{r['comm_elements'] / psi * n / (n - 1):.2f} | {r['comm_bytes'] / MiB:.2f} | "
             f"{statistics.median(r['step_ms']):.1f} | {_ratio(r)} | {r['final_loss']:.5f} |")
-    agree = losses_agree(run["results"])
+    outliers = loss_outliers(run["results"])
     lines += ["", "Final losses agree: " + ", ".join(
-        f"{p} {'yes' if ok else 'NO'} (rtol {LOSS_RTOL[p]:g})" for p, ok in agree.items()) + "."]
+        f"{p} {'yes' if not out else 'no, ' + ', '.join(out)} (rtol {LOSS_RTOL[p]:g})" for p, out in outliers.items())
+        + "."]
+    lines += ["Targets: " + " ".join(targets(run))]
     for name, reason in run["skipped"].items():
         lines.append(f"Skipped {name}: {reason}.")
     return "\n".join(lines)
@@ -66,7 +90,7 @@ def chart(runs: list[dict], path: str) -> None:
         row[0].set_xlabel(f"peak MiB per rank (log scale), {run['world_size']} ranks")
         row[1].barh(labels, ratios, color=colors)
         row[1].axvline(1.0, color="black", linewidth=0.8)
-        row[1].set_xlabel(f"step time ÷ FSDP2 reshard's, same round and precision, {run['world_size']} ranks")
+        row[1].set_xlabel(f"step time ÷ FSDP2 reshard's (same round), {run['world_size']} ranks")
         for ax, values, fmt in ((row[0], peaks, "{:.1f}"), (row[1], ratios, "{:.2f}")):
             for y, value in enumerate(values):
                 ax.text(value, y, " " + fmt.format(value), va="center", fontsize=7)
