@@ -87,7 +87,7 @@ def _param_shaped_state(sg: StepGraph, layouts: dict[str, ParamLayout]):
         if node.op == "placeholder":
             slot = tag(node).slots[0]
             if slot.role in (Role.OPT_STATE, Role.MASTER) and slot.fqn in layouts \
-                    and tuple(node.meta["val"].shape) == layouts[slot.fqn].shape:
+                    and layouts[slot.fqn].shards(slot.key, node.meta["val"].shape):
                 yield slot.fqn, node
 
 

@@ -188,3 +188,37 @@ def fp16_overflow_is_skipped(rank, world_size, stage):
     assert step.loss_scale == scale_before
     return {"unchanged": unchanged, "state_unchanged": state_unchanged, "scales": (scale_before, scale_after, later),
             "moved_after": moved, "traces": step.stats().traces}
+
+
+class _Gated(torch.nn.Module):
+    """A 0-dim parameter (a learned gate): its Adam moments are 0-dim like the step counter, and only they shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Parameter(torch.tensor(0.5))
+        self.fc = torch.nn.Linear(3, 1)
+
+    def forward(self, x, y):
+        return ((self.fc(x).squeeze(-1) * self.gate - y) ** 2).mean()
+
+
+def scalar_parameter_matches_ddp(rank, world_size):
+    """Stages 1-3 against DDP on a model with a 0-dim parameter, 5 Adam steps each."""
+    results = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        ref = _Gated()
+        ddp, ref_opt = DDP(ref), torch.optim.Adam(ref.parameters(), lr=0.1)
+        torch.manual_seed(0)
+        model = _Gated()
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        step = zerofx.compile(train_step, stage=stage)
+        batches = [(torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * i + rank)),
+                    torch.randn(4, generator=torch.Generator().manual_seed(10 * i + rank + 5))) for i in range(5)]
+        ref_losses = [train_step(ddp, ref_opt, x, y).item() for x, y in batches]
+        losses = [step(model, opt, x, y).item() for x, y in batches]
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+        full = zerofx.full_state_dict(step)
+        torch.testing.assert_close(full["model"]["gate"], ref.gate.detach(), rtol=1e-5, atol=1e-7)
+        results[stage] = full["optimizer"]["state"]["gate"]["step"].item()
+    return results

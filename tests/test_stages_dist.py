@@ -149,3 +149,8 @@ def test_fp16_overflowing_step_is_skipped_on_every_rank(ranks2, stage):
         before, after, later = r["scales"]
         assert after == before / 2 and later == after  # backed off once, then steady
         assert r["moved_after"] and r["traces"] == 1  # training goes on, same graph
+
+
+def test_a_scalar_parameter_trains_as_under_ddp(ranks2):
+    # Adam's moments of a 0-dim parameter are sharded with it; its step counter, also 0-dim, stays whole
+    assert ranks2.run(cases.scalar_parameter_matches_ddp)[0] == {1: 5.0, 2: 5.0, 3: 5.0}

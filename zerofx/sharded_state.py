@@ -59,7 +59,7 @@ class ShardedState:
                 for key, value in entries.items():
                     if not isinstance(value, torch.Tensor):
                         continue
-                    if fqn in layouts and tuple(value.shape) == layouts[fqn].shape:
+                    if fqn in layouts and layouts[fqn].shards(key, value.shape):
                         state.opt_state[(oi, fqn, key)] = layouts[fqn].shard_of(value, rank)
                         state.sharded_state_keys.add((oi, fqn, key))
                     else:

@@ -17,6 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+SCALAR_STATE = {"step"}  # torch.optim's per-parameter counters
+
+
 @dataclass(frozen=True)
 class ParamLayout:
     fqn: str
@@ -46,6 +49,11 @@ class ParamLayout:
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         return padded[:self.numel].view(self.shape)
+
+    def shards(self, state_key: str | None, shape: tuple[int, ...]) -> bool:
+        """Whether optimizer state ``state_key`` of this shape is per element (sharded with the parameter) rather
+        than per parameter. By shape, except Adam's step counter, which a 0-dim parameter's shape matches."""
+        return tuple(shape) == self.shape and state_key not in SCALAR_STATE
 
 
 def gather_full(layout: ParamLayout, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
