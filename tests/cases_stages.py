@@ -202,8 +202,9 @@ class _Gated(torch.nn.Module):
         return ((self.fc(x).squeeze(-1) * self.gate - y) ** 2).mean()
 
 
-def scalar_parameter_matches_ddp(rank, world_size):
-    """Stages 1-3 against DDP on a model with a 0-dim parameter, 5 Adam steps each."""
+def scalar_parameter_matches_ddp(rank, world_size, checkpoint_dir):
+    """Stages 1-3 against DDP on a model with a 0-dim parameter, 5 Adam steps each; each saved and loaded back
+    into a fresh step (a 0-dim ShardedTensor)."""
     results = {}
     for stage in (1, 2, 3):
         torch.manual_seed(0)
@@ -221,4 +222,13 @@ def scalar_parameter_matches_ddp(rank, world_size):
         full = zerofx.full_state_dict(step)
         torch.testing.assert_close(full["model"]["gate"], ref.gate.detach(), rtol=1e-5, atol=1e-7)
         results[stage] = full["optimizer"]["state"]["gate"]["step"].item()
+        zerofx.checkpoint.save(step, f"{checkpoint_dir}/{stage}")
+        fresh = _Gated()
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+        loaded = zerofx.compile(train_step, stage=stage).bind(fresh, fresh_opt, *batches[0])
+        zerofx.checkpoint.load(loaded, f"{checkpoint_dir}/{stage}")
+        again = zerofx.full_state_dict(loaded)
+        assert torch.equal(again["model"]["gate"], full["model"]["gate"])
+        moments = again["optimizer"]["state"]["gate"], full["optimizer"]["state"]["gate"]
+        assert all(torch.equal(moments[0][k], moments[1][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
     return results

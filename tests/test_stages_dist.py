@@ -151,6 +151,6 @@ def test_fp16_overflowing_step_is_skipped_on_every_rank(ranks2, stage):
         assert r["moved_after"] and r["traces"] == 1  # training goes on, same graph
 
 
-def test_a_scalar_parameter_trains_as_under_ddp(ranks2):
+def test_a_scalar_parameter_trains_as_under_ddp(ranks2, tmp_path):
     # Adam's moments of a 0-dim parameter are sharded with it; its step counter, also 0-dim, stays whole
-    assert ranks2.run(cases.scalar_parameter_matches_ddp)[0] == {1: 5.0, 2: 5.0, 3: 5.0}
+    assert ranks2.run(cases.scalar_parameter_matches_ddp, checkpoint_dir=str(tmp_path))[0] == {1: 5.0, 2: 5.0, 3: 5.0}

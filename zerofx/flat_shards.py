@@ -64,6 +64,12 @@ def rank_boxes(layout: ParamLayout, rank: int) -> list[Box]:
     return boxes(start, min(start + layout.shard_numel, layout.numel), layout.shape)
 
 
+def every_rank_holds(layout: ParamLayout) -> bool:
+    """Whether the last rank's shard holds any element: DCP skips a ShardedTensor without local shards on a rank,
+    and the key then counts as missing there."""
+    return (layout.world_size - 1) * layout.shard_numel < layout.numel
+
+
 def sharded_view(layout: ParamLayout, shard: torch.Tensor, rank: int) -> ShardedTensor:
     """``shard`` (this rank's flat shard of ``layout``) as a ShardedTensor of the full shape; its local shards are
     views of ``shard``, so loading into it writes the shard in place."""

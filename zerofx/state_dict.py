@@ -1,17 +1,18 @@
 """The state of a compiled step as state dicts, keyed by fully qualified names as
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` keys them::
 
-    {"model": {"wte.weight": ..., "lm_head.weight": ..., "bn.running_mean": ...},     # tied names both listed
+    {"model": {"wte.weight": ..., "head.weight": ..., "bn.running_mean": ...},     # tied names both listed
      "optimizer": {"state": {"wte.weight": {"step": ..., "exp_avg": ..., "exp_avg_sq": ...}, ...},
                    "param_groups": [{"lr": ..., "params": ["wte.weight", ...]}, ...]},
      "loss_scale": {"scale": ..., "growth_tracker": ...}}           # float16 mixed precision only
 
 ``state_dict(step)`` gives this rank's shards in place, for ``torch.distributed.checkpoint``: a sharded tensor is a
 ``ShardedTensor`` of the full shape whose local shards are views of the step's own storage (``flat_shards``), a
-replicated one the live tensor itself; ``dcp.save`` writes them without gathering and ``dcp.load`` fills them
-where they live. ``full_state_dict(step)`` gathers full copies. ``load_state_dict(step, sd)`` takes either, or
-DTensors such as FSDP2's; it checks every key and shape before it changes anything. Parameters are in their master
-precision (fp32 under mixed precision); the low-precision compute copies are derived from them on load.
+replicated one the live tensor itself (a parameter too small to give every rank an element is gathered instead);
+``dcp.save`` writes them without gathering and ``dcp.load`` fills them where they live. ``full_state_dict(step)``
+gathers full copies. ``load_state_dict(step, sd)`` takes either, or DTensors such as FSDP2's; it checks every key
+and shape before it changes anything. Parameters are in their master precision (fp32 under mixed precision); the
+low-precision compute copies are derived from them on load.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from zerofx.flat_shards import rank_boxes, sharded_view
+from zerofx.flat_shards import every_rank_holds, rank_boxes, sharded_view
 from zerofx.sharding import ParamLayout, gather_full
 
 
 def state_dict(step) -> dict:
-    """This rank's part of the step's state, in place. Every rank calls it (no communication)."""
+    """This rank's part of the step's state, in place. Every rank calls it (it gathers only parameters smaller than
+    about one element per rank)."""
     binding, args, owned = _bound(step)
     params = {fqn: _param_in_place(fqn, binding, owned) for fqn in binding.params}
     return _assemble(step, params, lambda oi, fqn, key, value: _state_in_place(oi, fqn, key, value, owned),
@@ -111,7 +113,11 @@ def _persistent_buffers(binding, args) -> list[str]:
 # --- in place ----------------------------------------------------------------------------------------------------
 
 def _sharded(layout: ParamLayout, shard: torch.Tensor, rank: int):
-    return layout.unpad(shard) if layout.world_size == 1 else sharded_view(layout, shard, rank)
+    if layout.world_size == 1:
+        return layout.unpad(shard)
+    if not every_rank_holds(layout):  # fewer elements than ranks, about: a gathered copy, loaded back by copying
+        return gather_full(layout, shard)
+    return sharded_view(layout, shard, rank)
 
 
 def _param_in_place(fqn, binding, owned):
