@@ -125,7 +125,8 @@ def load_full_state_then_train(rank, world_size, stage):
         losses.append(step(model, opt, x, y).item())
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     on_rank0 = zerofx.full_state_dict(step, rank0_only=True)
-    return {"rank0_only_empty": on_rank0 == {}, "optimizer_state_released": opt.state[model.wte.weight]["exp_avg"].numel()}
+    return {"rank0_only_empty": on_rank0 == {},
+            "optimizer_state_released": opt.state[model.wte.weight]["exp_avg"].numel()}
 
 
 def bf16_against_fsdp2(rank, world_size, stage, steps=10, reduce_fp32=False):
