@@ -8,6 +8,7 @@ batch's structure, shapes and dtypes and any non-tensor argument's value. Hyperp
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -70,7 +71,13 @@ def freeze(key: dict[str, tuple]) -> tuple:
 
 def key_hash(key: dict[str, tuple]) -> int:
     """A 63-bit hash, equal on every rank for equal keys (no Python hash randomisation)."""
-    return int.from_bytes(hashlib.sha256(repr(freeze(key)).encode()).digest()[:8], "little") >> 1
+    return _frozen_hash(freeze(key))
+
+
+@functools.lru_cache(maxsize=64)
+def _frozen_hash(frozen: tuple) -> int:
+    # the key repeats step after step; its repr and digest cost more than finding it here
+    return int.from_bytes(hashlib.sha256(repr(frozen).encode()).digest()[:8], "little") >> 1
 
 
 def describe_change(old: dict[str, tuple], new: dict[str, tuple]) -> str:
