@@ -22,7 +22,6 @@ class System:
     precision: str  # "fp32" or "bf16"
     stage: int  # the ZeRO stage whose formula describes what it keeps
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    notes: str = ""
     keep: list = field(default_factory=list)  # objects the step needs alive
 
 
