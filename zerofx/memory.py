@@ -44,7 +44,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def _sweep(self) -> None:
         for key, (ref, nbytes) in list(self._live.items()):
-            storage = None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)  # None once freed
             if storage is None:
                 del self._live[key]
                 self.live_bytes -= nbytes
