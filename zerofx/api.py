@@ -109,7 +109,8 @@ class CompiledStep:
     def _prepare(self, args: tuple) -> runtime.CompiledGraph:
         """Bind, guard, capture on a new key, take the sharded state on the first call: all but running."""
         binding = self._bind(args)
-        self._args = args
+        taken = set(binding.module_positions) | set(binding.optimizer_positions)
+        self._args = tuple(a if i in taken else None for i, a in enumerate(args))  # not the batch: it would live on
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = runtime.world()
