@@ -30,8 +30,10 @@ def state_dict(step) -> dict:
     """This rank's part of the step's state, in place. Every rank calls it (it gathers only parameters smaller than
     about one element per rank)."""
     binding, args, owned = _bound(step)
-    params = {fqn: _param_in_place(fqn, binding, owned) for fqn in binding.params}
-    return _assemble(step, params, lambda oi, fqn, key, value: _state_in_place(oi, fqn, key, value, owned),
+    rank = owned.rank if owned is not None else 0
+    in_place = (lambda layout, shard: _sharded(layout, shard, rank), torch.Tensor.detach)
+    params = {fqn: _param(fqn, binding, owned, *in_place) for fqn in binding.params}
+    return _assemble(step, params, lambda oi, fqn, key, value: _state(oi, fqn, key, value, owned, *in_place),
                      {"scale": owned.loss_scale, "growth_tracker": owned.growth_tracker} if _scaled(owned) else None)
 
 
@@ -39,8 +41,9 @@ def full_state_dict(step, *, rank0_only: bool = False) -> dict:
     """Full copies of the step's state. Every rank must call it (stages 1-3 gather); with ``rank0_only`` the other
     ranks get an empty dict."""
     binding, args, owned = _bound(step)
-    params = {fqn: _full_param(fqn, binding, owned) for fqn in binding.params}
-    out = _assemble(step, params, lambda oi, fqn, key, value: _full_state(oi, fqn, key, value, owned),
+    gathered = (gather_full, lambda t: t.detach().clone())
+    params = {fqn: _param(fqn, binding, owned, *gathered) for fqn in binding.params}
+    out = _assemble(step, params, lambda oi, fqn, key, value: _state(oi, fqn, key, value, owned, *gathered),
                     {"scale": owned.loss_scale.item(), "growth_tracker": int(owned.growth_tracker.item())}
                     if _scaled(owned) else None)
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
@@ -110,7 +113,7 @@ def _persistent_buffers(binding, args) -> list[str]:
     return names
 
 
-# --- in place ----------------------------------------------------------------------------------------------------
+# --- reading -------------------------------------------------------------------------------------------------------
 
 def _sharded(layout: ParamLayout, shard: torch.Tensor, rank: int):
     if layout.world_size == 1:
@@ -120,40 +123,22 @@ def _sharded(layout: ParamLayout, shard: torch.Tensor, rank: int):
     return sharded_view(layout, shard, rank)
 
 
-def _param_in_place(fqn, binding, owned):
+def _param(fqn, binding, owned, of_shard, whole):
+    """Parameter ``fqn`` as ``of_shard(layout, shard)`` where the step holds a shard, else as ``whole(tensor)``."""
     if owned is None or fqn not in owned.layouts or owned.stage == 0:
-        return binding.params[fqn].detach()
+        return whole(binding.params[fqn])
     layout = owned.layouts[fqn]
-    if fqn in owned.masters:
-        return _sharded(layout, owned.masters[fqn], owned.rank)
-    stored = owned.params[fqn]
-    return layout.unpad(stored) if stored.numel() == layout.padded_numel else _sharded(layout, stored, owned.rank)
+    stored = owned.masters.get(fqn, owned.params[fqn])
+    if stored.numel() == layout.padded_numel:  # stages 1-2 (or one rank): the whole parameter, padded
+        return whole(layout.unpad(stored))
+    return of_shard(layout, stored)
 
 
-def _state_in_place(oi, fqn, key, value, owned):
+def _state(oi, fqn, key, value, owned, of_shard, whole):
     if owned is not None and (oi, fqn, key) in owned.sharded_state_keys:
-        return _sharded(owned.layouts[fqn], owned.opt_state[(oi, fqn, key)], owned.rank)
+        return of_shard(owned.layouts[fqn], owned.opt_state[(oi, fqn, key)])
     stored = owned.opt_state.get((oi, fqn, key), value) if owned is not None else value
-    return stored.detach() if isinstance(stored, torch.Tensor) else stored
-
-
-# --- gathered ----------------------------------------------------------------------------------------------------
-
-def _full_param(fqn, binding, owned) -> torch.Tensor:
-    if owned is None or fqn not in owned.layouts or owned.stage == 0:
-        return binding.params[fqn].detach().clone()
-    layout = owned.layouts[fqn]
-    if fqn in owned.masters:
-        return gather_full(layout, owned.masters[fqn])
-    stored = owned.params[fqn]
-    return layout.unpad(stored).clone() if stored.numel() == layout.padded_numel else gather_full(layout, stored)
-
-
-def _full_state(oi, fqn, key, value, owned):
-    if owned is not None and (oi, fqn, key) in owned.sharded_state_keys:
-        return gather_full(owned.layouts[fqn], owned.opt_state[(oi, fqn, key)])
-    stored = owned.opt_state.get((oi, fqn, key), value) if owned is not None else value
-    return stored.detach().clone() if isinstance(stored, torch.Tensor) else stored
+    return whole(stored) if isinstance(stored, torch.Tensor) else stored
 
 
 # --- loading -----------------------------------------------------------------------------------------------------
