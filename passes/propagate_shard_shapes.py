@@ -20,7 +20,7 @@ aten = torch.ops.aten
 # Not tagged pointwise, but shape-preserving per element: safe on a shard.
 _SHARD_SAFE = {aten.detach.default, aten.clone.default, aten.copy_.default, aten.zeros_like.default,
                aten.empty_like.default, aten.ones_like.default, aten.full_like.default, aten.alias.default,
-               aten._to_copy.default}
+               aten._to_copy.default, aten.zero_.default, aten.fill_.Scalar}
 
 
 def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

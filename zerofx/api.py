@@ -78,6 +78,7 @@ class CompiledStep:
         self._last: runtime.CompiledGraph | None = None
         self._last_records: list = []
         self._last_probe: StepProbe | None = None
+        self._reads_incoming_grads: bool | None = None  # learned from the first trace
 
     def __call__(self, *args):
         with collectives.recording() as records:
@@ -114,7 +115,7 @@ class CompiledStep:
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = runtime.world()
-        key = guards.step_key(binding, args, self._owned_parts)
+        key = guards.step_key(binding, args, self._owned_parts, bool(self._reads_incoming_grads))
         if world_size > 1 and self.config.verify_ranks:
             ranks.verify_same(guards.key_hash(key), "the step's inputs",
                               lambda: guards.describe_change({}, key) if self._last_key is None
@@ -122,7 +123,7 @@ class CompiledStep:
         frozen = guards.freeze(key)
         compiled = self._cache.get(frozen)
         if compiled is None:
-            compiled = self._build(binding, args, key, frozen, world_size, group_name)
+            compiled, key = self._build(binding, args, key, world_size, group_name)
         if world_size > 1 and not compiled.verified:
             ranks.verify_same(compiled.fingerprint, "the captured graph",
                               lambda: f"graph fingerprint {compiled.fingerprint:x}")
@@ -151,7 +152,9 @@ class CompiledStep:
                 runtime.sync_module_states(self._binding)
         return self._binding
 
-    def _build(self, binding, args, key, frozen, world_size, group_name) -> runtime.CompiledGraph:
+    def _build(self, binding, args, key, world_size, group_name) -> tuple[runtime.CompiledGraph, dict]:
+        """A new graph for ``key``, cached; the key it is cached under (with the gradients' presence once the
+        step is known to read incoming gradients)."""
         if self._last_key is not None:
             log.warning("zerofx: re-tracing %s because %s", self.train_step.__name__,
                         guards.describe_change(self._last_key, key))
@@ -164,9 +167,13 @@ class CompiledStep:
         reduce_dtype = c.mixed_precision.reduce_dtype if c.mixed_precision else None
         ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes, c.prefetch, c.reshard_after_forward,
                           reduce_dtype)
-        compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision)
-        self._cache[frozen] = compiled
-        return compiled
+        compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
+                                 probe_grads=not self._reads_incoming_grads)
+        if compiled.reads_incoming_grads and not self._reads_incoming_grads:
+            key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True)
+        self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)
+        self._cache[guards.freeze(key)] = compiled
+        return compiled, key
 
     def graph(self, name: str | None = None) -> fx.GraphModule:
         """The final graph of the last step, or the graph after capture ("capture") or after the named pass."""

@@ -87,17 +87,36 @@ def _collect(named, prefix, canonical: dict, aliases: dict) -> None:
         aliases[full] = by_id[id(t)]
 
 
-def input_slots(binding: StepBinding, args: tuple, mixed: MixedPrecision | None = None) -> list[Slot]:
-    """The graph's inputs, in order: parameters (and master weights), buffers, existing grads, optimizer state,
-    hyperparameters, batch."""
+def incoming_grads(binding: StepBinding, mixed: MixedPrecision | None, *, probe: bool) -> list[str]:
+    """The trainable parameters whose incoming ``.grad`` a trace gives the step: those that have one as the step is
+    called, or with ``probe`` every one (stand-ins where there is none), to learn whether the step reads them at all
+    (it does not when it resets gradients before backward). Under mixed precision gradients live inside the step."""
+    present = present_grads(binding)
+    if present and mixed is not None:
+        raise CaptureError(
+            f"parameter '{present[0]}' has a .grad when the step is called; under mixed precision gradients exist "
+            "only inside the step (in param_dtype), so one left from outside cannot be accumulated into",
+            hint="call optimizer.zero_grad() before computing gradients outside the step, or run backward inside it")
+    if mixed is not None:
+        return []
+    return [fqn for fqn, p in binding.params.items() if p.requires_grad] if probe else present
+
+
+def present_grads(binding: StepBinding) -> list[str]:
+    return [fqn for fqn, p in binding.params.items() if p.requires_grad and p.grad is not None]
+
+
+def input_slots(binding: StepBinding, args: tuple, mixed: MixedPrecision | None = None,
+                grads: list[str] = ()) -> list[Slot]:
+    """The graph's inputs, in order: parameters (and master weights), buffers, the incoming ``grads``, optimizer
+    state, hyperparameters, batch."""
     slots = [Slot(Role.PARAM, fqn) for fqn in binding.params]
     if mixed is not None:
         slots += [Slot(Role.MASTER, fqn) for fqn, p in binding.params.items() if p.requires_grad]
     slots += [Slot(Role.BUFFER, fqn) for fqn in binding.buffers]
     if mixed is not None and mixed.scaling is not None:
         slots += [Slot(Role.LOSS_SCALE), Slot(Role.GROWTH_TRACKER)]
-    if mixed is None:
-        slots += [Slot(Role.GRAD_IN, fqn) for fqn, p in binding.params.items() if p.requires_grad]
+    slots += [Slot(Role.GRAD_IN, fqn) for fqn in grads]
     fqn_of = binding.fqn_of
     for oi, opt in enumerate(binding.optimizers(args)):
         spec = optim_support.spec_for(opt)
@@ -143,12 +162,11 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
         elif s.role == Role.BUFFER:
             values.append(binding.buffers[s.fqn])
         elif s.role == Role.GRAD_IN:
-            p = binding.params[s.fqn]
-            # a step that accumulates into .grad reads zeros where eager would start from None: same values
-            if p.grad is not None:
-                values.append(p.grad)
-            else:  # tracing only needs shape and dtype; an untouched empty tensor costs no resident memory
-                values.append(torch.empty_like(p) if for_trace else torch.zeros_like(p))
+            grad = binding.params[s.fqn].grad
+            if grad is None:  # a probing trace's stand-in: shape and dtype only, never read for its values
+                param = override(Slot(Role.PARAM, s.fqn)) if override is not None else None
+                grad = torch.empty_like(binding.params[s.fqn] if param is None else param)
+            values.append(grad)
         elif s.role == Role.OPT_STATE:
             values.append(by_fqn[(s.optimizer, s.fqn)][s.key])
         elif s.role == Role.HYPERPARAM:

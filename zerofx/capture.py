@@ -45,15 +45,17 @@ class CapturedStep:
 
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
-            override: Callable[[Slot], Any] | None = None, mixed: MixedPrecision | None = None) -> CapturedStep:
+            override: Callable[[Slot], Any] | None = None, mixed: MixedPrecision | None = None,
+            grads: list[str] = ()) -> CapturedStep:
     """Trace ``train_step(*args)`` with fake tensors into a tagged ATen graph. Nothing real is computed or changed.
     ``override`` supplies stand-ins for state the module no longer holds (a sharded step re-tracing); ``mixed``
-    traces forward and backward in its ``param_dtype`` with the optimizer on fp32 master weights."""
+    traces forward and backward in its ``param_dtype`` with the optimizer on fp32 master weights; ``grads`` names
+    the parameters whose ``.grad`` the step finds set (the graph keeps those it reads as inputs)."""
     optimizers = binding.optimizers(args)
     modules = binding.modules(args)
     for opt in optimizers:
         optim_support.init_lazy_state(opt)
-    slots = input_slots(binding, args, mixed)
+    slots = input_slots(binding, args, mixed, grads)
     real_inputs = input_values(binding, args, slots, for_trace=True, override=override, mixed=mixed)
     batch_structure = binding.batch(args)
     recorder = PhaseRecorder()

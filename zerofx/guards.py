@@ -1,7 +1,7 @@
 """What a captured graph depends on besides its inputs. A change of any of these re-traces (cached per key).
 
-Parameter and buffer shapes, dtypes, devices and ``requires_grad``; every
-module's train/eval mode; the optimizer's type, groups, state layout and the hyperparameters it branches on; the
+Parameter and buffer shapes, dtypes, devices and ``requires_grad``; which parameters have a ``.grad`` (for a step
+that reads incoming gradients); every module's train/eval mode; the optimizer's type, groups, state layout and the hyperparameters it branches on; the
 batch's structure, shapes and dtypes and any non-tensor argument's value. Hyperparameters that are graph inputs
 (lr, Adam's betas) are not part of the key.
 """
@@ -15,16 +15,18 @@ import torch
 import torch.utils._pytree as pytree
 
 from zerofx import optim_support
-from zerofx.binding import StepBinding
+from zerofx.binding import StepBinding, present_grads
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), str(t.dtype), t.device.type)
 
 
-def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | None = None) -> dict[str, tuple]:
+def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | None = None,
+             reads_incoming_grads: bool = False) -> dict[str, tuple]:
     """The guard key as named parts, so a re-trace can say what changed. ``owned_parts`` replaces the parts
-    describing state a sharded step has taken from the module and optimizer (recorded before it released them)."""
+    describing state a sharded step has taken from the module and optimizer (recorded before it released them).
+    Which parameters have a ``.grad`` is part of the key only for a step that reads incoming gradients."""
     fqn_of = binding.fqn_of
     key = {
         "params": tuple((fqn, _tensor_meta(p), p.requires_grad)
@@ -56,6 +58,8 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
         )
     leaves, spec = pytree.tree_flatten(binding.batch(args))
     key["batch"] = (str(spec),) + tuple(_tensor_meta(x) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
+    if reads_incoming_grads:
+        key["grads"] = tuple(present_grads(binding))
     key.update(owned_parts or {})
     return key
 

@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from zerofx import collectives, dump
-from zerofx.binding import StepBinding, input_values
+from zerofx.binding import StepBinding, incoming_grads, input_values, present_grads
 from zerofx.capture import CapturedStep, capture
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
@@ -29,6 +29,7 @@ class CompiledGraph:
     input_slots: list[Slot]
     output_slots: list[Slot]
     left_grads: set[str] = field(default_factory=set)  # parameters whose .grad the step sets; the others it clears
+    reads_incoming_grads: bool = False  # the step accumulates into a .grad it finds set (no zero_grad before)
     snapshots: dict[str, fx.GraphModule] = field(default_factory=dict)  # "capture" and each pass's name
     verified: bool = False
 
@@ -50,8 +51,14 @@ def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
-          state: ShardedState | None, mixed: MixedPrecision | None) -> CompiledGraph:
-    captured = capture(train_step, binding, args, override=state.trace_value if state else None, mixed=mixed)
+          state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool) -> CompiledGraph:
+    """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
+    learn whether the step reads them; if it reads one that this call does not have, capture again without."""
+    override = state.trace_value if state else None
+    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe_grads))
+    read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
+    if not read <= set(present_grads(binding)):
+        captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=False))
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
@@ -68,7 +75,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     sg = StepGraph(gm)
     outputs = sg.output_slots()
     left_grads = {s.fqn for s in outputs if s.role == Role.GRAD_OUT}
-    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, left_grads, snapshots)
+    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, left_grads, bool(read), snapshots)
 
 
 def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: ShardedState | None,
