@@ -1,4 +1,5 @@
-"""Hyperparameters as graph inputs: schedules that change them every step, and branches torch.optim takes on them."""
+"""Hyperparameters as graph inputs: schedules that change them every step, branches torch.optim takes on them, and
+the bound on how many graphs a step keeps. One process."""
 
 import logging
 
@@ -120,3 +121,25 @@ def test_a_zero_tested_hyperparameter_answers_only_the_guarded_comparison():
 
     with pytest.raises(GuardOnDataDependentSymNode):
         make_fx(update, tracing_mode="fake")(torch.ones(2), torch.tensor(0.9, dtype=torch.float64))
+
+
+def test_trace_cache_keeps_max_traces_graphs_and_warns_once(caplog):
+    sizes = [2, 3, 4, 2, 5, 2, 3]
+    batch = lambda i, rank: bn_batch(i, rank, batch=sizes[i])  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="zerofx"):
+        eager, compiled = train_eager_and_compiled(bn_with, batch, lambda opt: lambda i: None, steps=len(sizes),
+                                                   max_traces=3)
+    assert_bitwise_equal(eager, compiled)
+    step = compiled[3]
+    assert len(step._cache) == 3
+    # 5 evicts 3, the least recently used (2 ran after it), so 2 is still kept; 3 traces again
+    assert step.stats().traces == 5
+    warnings = [r.getMessage() for r in caplog.records if "max_traces" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].endswith("what keeps changing: batch")
+    assert len(retrace_messages(caplog)) == 4
+
+
+def test_max_traces_must_be_positive():
+    with pytest.raises(ValueError, match="max_traces"):
+        zerofx.compile(train_step, max_traces=0)
+

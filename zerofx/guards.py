@@ -83,6 +83,11 @@ def _frozen_hash(frozen: tuple) -> int:
     return int.from_bytes(hashlib.sha256(repr(frozen).encode()).digest()[:8], "little") >> 1
 
 
+def varying_parts(keys: list[dict[str, tuple]]) -> list[str]:
+    """The parts whose value differs among ``keys``: what keeps causing new traces."""
+    return sorted(part for part in set().union(*keys) if len({key.get(part) for key in keys}) > 1)
+
+
 def describe_change(old: dict[str, tuple], new: dict[str, tuple]) -> str:
     changed = []
     for part in sorted(set(old) | set(new)):
