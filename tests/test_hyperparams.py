@@ -8,6 +8,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+import cases_hyperparams as cases
 import zerofx
 from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
 from zerofx import optim_support
@@ -143,3 +144,8 @@ def test_max_traces_must_be_positive():
     with pytest.raises(ValueError, match="max_traces"):
         zerofx.compile(train_step, max_traces=0)
 
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_one_cycle_lr_with_sgd_matches_ddp_on_two_ranks(ranks2, stage):
+    results = ranks2.run(cases.one_cycle_sgd_matches_ddp, stage=stage)
+    assert all(r["traces"] == 1 for r in results) and results[0]["momentum"] != 0.9
