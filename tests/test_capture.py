@@ -24,7 +24,7 @@ def test_every_node_has_a_phase_and_inputs_have_roles():
     roles = [s.role for s in captured.inputs]
     assert roles.count(Role.PARAM) == len(list(model.parameters()))  # the tied head weight counted once
     assert roles.count(Role.OPT_STATE) == 3 * len(list(model.parameters()))  # step, exp_avg, exp_avg_sq
-    assert roles.count(Role.HYPERPARAM) == 2 * 3  # lr, beta1, beta2 per group: scheduler-proof inputs
+    assert roles.count(Role.HYPERPARAM) == 2 * 4  # lr, beta1, beta2, weight_decay per group: scheduler-proof
     assert roles.count(Role.BATCH) == 2
     assert Role.GRAD_IN not in roles  # zero_grad() at the start: incoming gradients are never read
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ class Config:
     verify_ranks: bool = True  # one 8-byte all-gather per step: a rank that diverges raises instead of hanging
     track_memory: bool = False  # run node by node and measure peak and gradient bytes (slower)
     mixed_precision: MixedPrecision | None = None
+    max_traces: int = 8  # graphs kept, one per guard key; beyond it the least recently used is evicted
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -43,21 +45,25 @@ class Config:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
+        if not isinstance(self.max_traces, int) or self.max_traces < 1:
+            raise ValueError(f"max_traces must be a positive int, got {self.max_traces!r}")
 
 
 def compile(train_step=None, *, stage: int = 0, bucket_bytes: int = 25 * 2**20, prefetch: int = 1,
             reshard_after_forward: bool = True, mixed_precision: MixedPrecision | None = None,
-            dump_dir: str | None = None, verify_ranks: bool = True, track_memory: bool = False):
+            dump_dir: str | None = None, verify_ranks: bool = True, track_memory: bool = False,
+            max_traces: int = 8):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
     Usable as ``step = zerofx.compile(train_step, stage=3)`` or as a decorator ``@zerofx.compile(stage=3)``.
     ``mixed_precision=zerofx.MixedPrecision(param_dtype=torch.bfloat16)`` computes and communicates in bf16 with
     fp32 master weights. ``dump_dir`` (or the environment variable ``ZEROFX_DUMP``) writes the graph after capture
-    and after each pass.
+    and after each pass. At most ``max_traces`` graphs are kept (one per guard key, least recently used evicted).
     """
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
-                    dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision)
+                    dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision,
+                    max_traces)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -68,7 +74,8 @@ class CompiledStep:
         functools.update_wrapper(self, train_step)
         self.train_step = train_step
         self.config = config
-        self._cache: dict[tuple, runtime.CompiledGraph] = {}
+        self._cache: OrderedDict[tuple, runtime.CompiledGraph] = OrderedDict()  # least recently used first
+        self._traces = 0
         self._binding: StepBinding | None = None
         self._binding_ids: tuple = ()
         self._args: tuple = ()
@@ -124,6 +131,8 @@ class CompiledStep:
         compiled = self._cache.get(frozen)
         if compiled is None:
             compiled, key = self._build(binding, args, key, world_size, group_name)
+        else:
+            self._cache.move_to_end(frozen)
         if world_size > 1 and not compiled.verified:
             ranks.verify_same(compiled.fingerprint, "the captured graph",
                               lambda: f"graph fingerprint {compiled.fingerprint:x}")
@@ -159,8 +168,8 @@ class CompiledStep:
             log.warning("zerofx: re-tracing %s because %s", self.train_step.__name__,
                         guards.describe_change(self._last_key, key))
         dump_dir = self.config.dump_dir
-        if dump_dir and self._cache:
-            dump_dir = os.path.join(dump_dir, f"trace{len(self._cache)}")
+        if dump_dir and self._traces:
+            dump_dir = os.path.join(dump_dir, f"trace{self._traces}")
         if dump_dir and world_size > 1 and dist.get_rank() != 0:
             dump_dir = None  # the graph is the same on every rank: rank 0 writes it
         c = self.config
@@ -173,6 +182,14 @@ class CompiledStep:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True)
         self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)
         self._cache[guards.freeze(key)] = compiled
+        self._traces += 1
+        if len(self._cache) > c.max_traces:
+            if self._traces == c.max_traces + 1:  # once: from here on, every new key evicts
+                log.warning("zerofx: %s has traced %d graphs, more than max_traces=%d: the least recently used is "
+                            "evicted from now on; what keeps changing: %s",
+                            self.train_step.__name__, self._traces, c.max_traces,
+                            ", ".join(guards.varying_parts([dict(k) for k in self._cache])))
+            self._cache.popitem(last=False)
         return compiled, key
 
     def graph(self, name: str | None = None) -> fx.GraphModule:
@@ -196,4 +213,4 @@ class CompiledStep:
         if self._last is None:
             raise RuntimeError("the step has not run yet: call it once before asking for its stats")
         return measure(self.config, self._last, self._binding, self._args, self._owned, self._last_records,
-                       self._last_probe, traces=len(self._cache))
+                       self._last_probe, traces=self._traces)

@@ -1,9 +1,9 @@
 """What a captured graph depends on besides its inputs. A change of any of these re-traces (cached per key).
 
-Parameter and buffer shapes, dtypes, devices and ``requires_grad``; which parameters have a ``.grad`` (for a step
-that reads incoming gradients); every module's train/eval mode; the optimizer's type, groups, state layout and the hyperparameters it branches on; the
-batch's structure, shapes and dtypes and any non-tensor argument's value. Hyperparameters that are graph inputs
-(lr, Adam's betas) are not part of the key.
+Parameter and buffer shapes, dtypes, devices and ``requires_grad``; which parameters have a ``.grad`` (for a
+step that reads incoming gradients); every module's train/eval mode; the optimizer's type, groups, state layout and
+its hyperparameters that are not graph inputs; the batch's structure, shapes and dtypes and any non-tensor argument's value. Of a hyperparameter that is a
+graph input the key holds only the branch torch.optim takes on it (``momentum != 0``), never its value.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
     for oi, opt in enumerate(binding.optimizers(args)):
         spec = optim_support.spec_for(opt)
         inputs = {optim_support.hyperparam_name(k) for k in spec.tensor_hyperparams}
+        zero_tested = {optim_support.hyperparam_name(k) for k in spec.zero_tested}
         groups = []
         for group in opt.param_groups:
             guarded = []
@@ -47,6 +48,8 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
                 elif isinstance(value, tuple):
                     guarded.append((name, tuple("<input>" if f"{name}[{i}]" in inputs else v
                                                 for i, v in enumerate(value))))
+                elif name in zero_tested:
+                    guarded.append((name, optim_support.zero_side(value)))
                 elif name not in inputs:
                     guarded.append((name, repr(value)))
             groups.append(tuple(guarded))
@@ -82,6 +85,11 @@ def key_hash(key: dict[str, tuple]) -> int:
 def _frozen_hash(frozen: tuple) -> int:
     # the key repeats step after step; its repr and digest cost more than finding it here
     return int.from_bytes(hashlib.sha256(repr(frozen).encode()).digest()[:8], "little") >> 1
+
+
+def varying_parts(keys: list[dict[str, tuple]]) -> list[str]:
+    """The parts whose value differs among ``keys``: what keeps causing new traces."""
+    return sorted(part for part in set().union(*keys) if len({key.get(part) for key in keys}) > 1)
 
 
 def describe_change(old: dict[str, tuple], new: dict[str, tuple]) -> str:

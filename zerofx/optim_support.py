@@ -1,8 +1,13 @@
 """Which torch.optim optimizers zerofx captures, and how.
 
-A hyperparameter the optimizer only computes with (lr, Adam's betas) becomes a graph input, so an LR scheduler or
-OneCycleLR's momentum cycling changes the update without a new trace. One that torch.optim branches on in Python
-(``weight_decay != 0``, SGD's ``momentum != 0``) is a guard: a new value re-traces.
+Hyperparameters are graph inputs (lr, Adam's betas, weight decay; SGD's momentum and dampening), so an LR scheduler
+or OneCycleLR's momentum cycling changes the update without a new trace. Each is traced as a 0-dim tensor read with
+``.item()``: an unbacked symbolic float, which the update computes with and passes to its ops as it would the Python
+float. Where torch.optim also branches on one in Python (``if momentum != 0``, ``if weight_decay != 0``), only the
+branch is a guard: the key records which side of zero the value is on, and the trace states that side to the tracer
+with ``torch._check``, which decides torch.optim's ``!=`` from it. Any other comparison of an input fails the capture,
+so a graph never depends on more than its key says. Crossing zero re-traces once per side; a new non-zero value
+does not.
 
 State that torch.optim creates on the first ``step()`` is created here before capture, with the values the first
 step would start from, so the first and later steps share one graph.
@@ -23,8 +28,14 @@ HyperparamKey = tuple[str, int | None]
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    tensor_hyperparams: tuple[HyperparamKey, ...]
+    tensor_hyperparams: tuple[HyperparamKey, ...]  # graph inputs
     init_state: Callable[[dict, torch.Tensor], dict]
+    zero_tested: tuple[HyperparamKey, ...] = ()  # inputs torch.optim tests ``!= 0`` in Python: the key holds the side
+
+    def __post_init__(self):
+        if not set(self.zero_tested) <= set(self.tensor_hyperparams):
+            # a constant's value is guarded whole; only an input may be guarded by its side of zero alone
+            raise ValueError("every zero-tested hyperparameter must be a graph input")
 
 
 def _adam_state(group: dict, p: torch.Tensor) -> dict:
@@ -48,9 +59,14 @@ def _sgd_state(group: dict, p: torch.Tensor) -> dict:
     return {}
 
 
-_ADAM = OptimizerSpec(tensor_hyperparams=(("lr", None), ("betas", 0), ("betas", 1)), init_state=_adam_state)
+_ADAM = OptimizerSpec(tensor_hyperparams=(("lr", None), ("betas", 0), ("betas", 1), ("weight_decay", None)),
+                      zero_tested=(("weight_decay", None),), init_state=_adam_state)
 SPECS: dict[type, OptimizerSpec] = {
-    torch.optim.SGD: OptimizerSpec(tensor_hyperparams=(("lr", None),), init_state=_sgd_state),
+    # dampening is only computed with (``1 - dampening``) during the step; _sgd_state's test of it decides the state
+    # layout before capture, and the layout is part of the key
+    torch.optim.SGD: OptimizerSpec(
+        tensor_hyperparams=(("lr", None), ("momentum", None), ("dampening", None), ("weight_decay", None)),
+        zero_tested=(("momentum", None), ("weight_decay", None)), init_state=_sgd_state),
     torch.optim.Adam: _ADAM,
     torch.optim.AdamW: _ADAM,
 }
@@ -95,6 +111,18 @@ def write_hyperparam(group: dict, key: HyperparamKey, value) -> None:
         items = list(group[name])
         items[index] = value
         group[name] = tuple(items)
+
+
+def zero_side(value) -> str:
+    """What the guard key holds for a zero-tested hyperparameter."""
+    return "!= 0" if value != 0 else "== 0"
+
+
+def assume_zero_side(traced: torch.SymFloat, value) -> None:
+    """State to the tracer the side of zero that the key records for ``value``, so torch.optim's ``if traced != 0``
+    is decided while ``traced`` stays symbolic in the arithmetic. On the zero side the tracer folds it to 0.0,
+    exact for every value with that key."""
+    torch._check(traced != 0 if value != 0 else traced == 0)
 
 
 def hyperparam_name(key: HyperparamKey) -> str:

@@ -28,7 +28,7 @@ class StepStats:
     model_state_bytes: dict[str, int | None] = field(default_factory=dict)
     peak_bytes: int | None = None
     formula: formulas.Formula | None = None
-    traces: int = 0  # graphs captured so far (one per guard key)
+    traces: int = 0  # graphs captured so far (one per guard key; a key seen again after eviction traces again)
 
     @property
     def comm_volume_psi(self) -> float:

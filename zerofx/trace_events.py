@@ -130,6 +130,8 @@ def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes:
         for hkey in spec.tensor_hyperparams:
             # .item() in the graph: the optimizer computes with a Python float, in double, exactly as eager does
             value = hyper[(gi, optim_support.hyperparam_name(hkey))].item()
+            if hkey in spec.zero_tested:
+                optim_support.assume_zero_side(value, optim_support.read_hyperparam(group, hkey))
             optim_support.write_hyperparam(group, hkey, value)
         for flag, value in optim_support.KERNEL_FLAGS.items():
             if flag in group:
