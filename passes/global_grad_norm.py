@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from zerofx import collectives
+from zerofx.mixed_precision import MASTER_GRAD
 from zerofx.passes.context import PassContext
 from zerofx.passes.flat_collectives import CATEGORY, wait_for
 from zerofx.passes.graph_edit import add_call
@@ -18,7 +19,8 @@ GLOBAL_NORM = "zerofx_global_norm"  # node.meta flag: a norm over shards that th
 
 
 def global_grad_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Expects: gradients as this rank's shards (after ``reduce_scatter_grads``); a norm over them taken as
+    """Expects: gradients as this rank's shards (after ``reduce_scatter_grads``), or master gradients made from them;
+    a norm over them taken as
     ``vector_norm(stack(per-gradient norms), p)``, which is how ``clip_grad_norm_`` and ``get_total_norm`` take it.
 
     Guarantees: the total norm of every such pattern is replaced by the norm over all ranks, with one scalar
@@ -77,6 +79,12 @@ def _norm_input(node: fx.Node) -> fx.Node | None:
 
 
 def _is_grad_shard(node: fx.Node) -> bool:
-    while aliases_first_arg(node) and node.meta.get(CATEGORY) != "grad":
+    """A gradient shard, or the fp32 master gradient made from one (cast and unscaled elementwise: zero where the
+    shard's padding is zero)."""
+    while aliases_first_arg(node) and not _is_gradient(node):
         node = node.args[0]
-    return node.meta.get(CATEGORY) == "grad" and tag(node) is not None
+    return _is_gradient(node) and tag(node) is not None
+
+
+def _is_gradient(node: fx.Node) -> bool:
+    return node.meta.get(CATEGORY) == "grad" or bool(node.meta.get(MASTER_GRAD))

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from zerofx import collectives, guards, optim_support, ranks, runtime
 from zerofx.binding import StepBinding
+from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext
@@ -117,6 +118,7 @@ class CompiledStep:
     def _prepare(self, args: tuple) -> runtime.CompiledGraph:
         """Bind, guard, capture on a new key, take the sharded state on the first call: all but running."""
         binding = self._bind(args)
+        self._refuse_refreezing(binding)
         taken = set(binding.module_positions) | set(binding.optimizer_positions)
         self._args = tuple(a if i in taken else None for i, a in enumerate(args))  # not the batch: it would live on
         for opt in binding.optimizers(args):
@@ -137,16 +139,35 @@ class CompiledStep:
             ranks.verify_same(compiled.fingerprint, "the captured graph",
                               lambda: f"graph fingerprint {compiled.fingerprint:x}")
             compiled.verified = True
-        mixed = self.config.mixed_precision
-        if (self.config.stage >= 1 or mixed) and self._owned is None:
-            layouts = compiled.ctx.artifacts.get("layouts") or {
-                fqn: ParamLayout(fqn, tuple(p.shape), mixed.param_dtype, world_size)
-                for fqn, p in binding.params.items() if p.requires_grad}
-            self._owned = ShardedState.take(binding, args, layouts, self.config.stage, rank, mixed)
-            if self.config.stage >= 1:
-                self._owned_parts = guards.owned_parts(key)
+        if self.config.stage >= 1 or self.config.mixed_precision:
+            self._take_state(binding, args, compiled, key, world_size, rank)
         self._last_key, self._last = key, compiled
         return compiled
+
+    def _take_state(self, binding, args, compiled, key, world_size, rank) -> None:
+        """Own the trainable parameters and their optimizer state: all of them on the first call, a parameter
+        unfrozen since when its new graph first runs."""
+        mixed = self.config.mixed_precision
+        layouts = compiled.ctx.artifacts.get("layouts") or {
+            fqn: ParamLayout(fqn, tuple(p.shape), mixed.param_dtype, world_size)
+            for fqn, p in binding.params.items() if p.requires_grad}
+        if self._owned is None:
+            self._owned = ShardedState.take(binding, args, layouts, self.config.stage, rank, mixed)
+            took = True
+        else:
+            took = self._owned.absorb(binding, args, layouts)
+        if took and self.config.stage >= 1:
+            self._owned_parts = guards.owned_parts(key)  # as they were before the originals were released
+
+    def _refuse_refreezing(self, binding: StepBinding) -> None:
+        if self._owned is None or self.config.stage == 0:
+            return
+        for fqn in self._owned.layouts:
+            if not binding.params[fqn].requires_grad:
+                raise CaptureError(
+                    f"parameter '{fqn}' was frozen (requires_grad=False) after the step took its shards at stage "
+                    f"{self.config.stage}; the step keeps training what it owns",
+                    hint="freeze parameters before the first call, or compile a new step from a full state dict")
 
     def _bind(self, args: tuple) -> StepBinding:
         ids = tuple(id(a) for a in args if isinstance(a, (nn.Module, torch.optim.Optimizer)))

@@ -151,7 +151,7 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
                           and binding.params[s.fqn].requires_grad else owned)
         elif s.role == Role.PARAM:
             p = binding.params[s.fqn]
-            compute = p.detach().to(mixed.param_dtype) if mixed is not None and p.requires_grad else p.detach()
+            compute = p.detach().to(mixed.param_dtype) if mixed is not None else p.detach()  # frozen ones too
             values.append(compute.requires_grad_(p.requires_grad) if for_trace else compute)
         elif s.role == Role.MASTER:
             values.append(binding.params[s.fqn].detach())

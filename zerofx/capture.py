@@ -30,7 +30,7 @@ from torch.nn.utils import stateless
 from zerofx import optim_support
 from zerofx.binding import StepBinding, input_slots, input_values
 from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
-from zerofx.mixed_precision import MixedPrecision, master_weight_hooks
+from zerofx.mixed_precision import MixedPrecision, MixedPrecisionTrace, drop_superseded_conversions
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, is_mutating, storage_root
 from zerofx.trace_events import PhaseRecorder, hook, on_optimizer_start, swap_optimizer, track_backward
 
@@ -61,6 +61,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     recorder = PhaseRecorder()
     out_slots: list[tuple[Slot, bool]] = []  # (slot, keep as a graph output)
     out_meta: dict[str, Any] = {}
+    conversions: list[MixedPrecisionTrace | None] = []
 
     def traced(*flat):
         fakes = dict(zip(range(len(slots)), flat))
@@ -68,8 +69,6 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
         fake_masters = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.MASTER}
         fake_buffers = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.BUFFER}
         by_role = {s.role: fakes[i] for i, s in enumerate(slots)}
-        scaling = (mixed.scaling, by_role[Role.LOSS_SCALE], by_role[Role.GROWTH_TRACKER]) \
-            if mixed is not None and mixed.scaling is not None else None
         for i, s in enumerate(slots):
             if s.role == Role.GRAD_IN:
                 fake_params[s.fqn].grad = fakes[i]
@@ -80,26 +79,35 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
         for i in range(len(call_args)):
             if i not in binding.module_positions and i not in binding.optimizer_positions:
                 call_args[i] = next(rest)
+        compute_views = _module_views(binding, modules, {**fake_params, **fake_buffers})
+        mixed_trace = None if mixed is None else MixedPrecisionTrace(
+            mixed.scaling, by_role.get(Role.LOSS_SCALE), by_role.get(Role.GROWTH_TRACKER), fake_params, fake_masters,
+            _module_views(binding, modules, {**fake_params, **fake_masters, **fake_buffers}))
+        conversions.append(mixed_trace)
+
+        def forward_start(*_):
+            recorder.event("forward_start")
+            if mixed_trace is not None:
+                mixed_trace.show_compute()
+
+        def optimizer_end(opt):
+            if mixed_trace is not None:
+                mixed_trace.after_optimizer_step(opt)
+            recorder.event("optimizer_end")
+
         with contextlib.ExitStack() as stack:
-            for pos, module in zip(binding.module_positions, modules):
-                prefix = "" if len(modules) == 1 else f"arg{pos}."
-                mapping = {n: fake_params[binding.param_aliases[prefix + n]]
-                           for n, _ in module.named_parameters(remove_duplicate=False)}
-                mapping.update({n: fake_buffers[binding.buffer_aliases[prefix + n]]
-                                for n, _ in module.named_buffers(remove_duplicate=False)})
+            for module, mapping in compute_views:
                 stack.enter_context(stateless._reparametrize_module(module, mapping))
-                stack.enter_context(hook(module.register_forward_pre_hook(
-                    lambda *_: recorder.event("forward_start"))))
+                stack.enter_context(hook(module.register_forward_pre_hook(forward_start)))
             for oi, opt in enumerate(optimizers):
                 stack.enter_context(swap_optimizer(opt, oi, binding, slots, fakes, {**fake_params, **fake_masters}))
                 stack.enter_context(hook(opt.register_step_pre_hook(
                     lambda *_: on_optimizer_start(recorder, fake_params))))
-                if mixed is not None:
-                    stack.enter_context(master_weight_hooks(opt, fake_params, fake_masters, scaling))
-                stack.enter_context(hook(opt.register_step_post_hook(
-                    lambda *_: recorder.event("optimizer_end"))))
-            stack.enter_context(track_backward(recorder, fake_params, scaling[1] if scaling else None))
+                stack.enter_context(hook(opt.register_step_post_hook(lambda o, *_: optimizer_end(o))))
+            stack.enter_context(track_backward(recorder, fake_params, mixed_trace))
             user_out = train_step(*call_args)
+            if mixed_trace is not None:
+                mixed_trace.at_step_end()
             recorder.event("step_end")
             return _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_params,
                                     fake_masters, out_slots, out_meta)
@@ -124,6 +132,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             source=user_frame(e.__traceback__),
         ) from None
     gm.graph._codegen = fx.graph.CodeGen()  # plain positional inputs and a flat list of outputs
+    if conversions[0] is not None:
+        drop_superseded_conversions(gm.graph, conversions[0].conversions)
     recorder.tag_rest(gm.graph)
     for node, slot in recorder.grad_nodes:
         node.meta[TAG].slots.append(slot)
@@ -134,6 +144,19 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     kept = _tag_outputs(gm.graph, out_slots)
     gm.recompile()
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"])
+
+
+def _module_views(binding: StepBinding, modules: list, tensors: dict) -> list[tuple[Any, dict]]:
+    """(module, name -> tensor) for every module argument and every name its parameters and buffers go by."""
+    views = []
+    for pos, module in zip(binding.module_positions, modules):
+        prefix = "" if len(modules) == 1 else f"arg{pos}."
+        mapping = {n: tensors[binding.param_aliases[prefix + n]]
+                   for n, _ in module.named_parameters(remove_duplicate=False)}
+        mapping.update({n: tensors[binding.buffer_aliases[prefix + n]]
+                        for n, _ in module.named_buffers(remove_duplicate=False)})
+        views.append((module, mapping))
+    return views
 
 
 def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_params, fake_masters,

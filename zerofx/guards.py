@@ -29,8 +29,8 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
     Which parameters have a ``.grad`` is part of the key only for a step that reads incoming gradients."""
     fqn_of = binding.fqn_of
     key = {
-        "params": tuple((fqn, _tensor_meta(p), p.requires_grad)
-                        for fqn, p in binding.params.items()),
+        "params": tuple((fqn, _tensor_meta(p)) for fqn, p in binding.params.items()),
+        "requires_grad": tuple(fqn for fqn, p in binding.params.items() if p.requires_grad),
         "buffers": tuple((fqn, _tensor_meta(b)) for fqn, b in binding.buffers.items()),
         "training": tuple(tuple(m.training for m in module.modules()) for module in binding.modules(args)),
         "grad_enabled": (torch.is_grad_enabled(),),

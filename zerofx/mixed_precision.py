@@ -1,9 +1,9 @@
 """Mixed precision: compute and communicate parameters in ``param_dtype``, keep fp32 master weights.
 
 The names follow FSDP2's ``MixedPrecisionPolicy``. The step is traced with the module's parameters in
-``param_dtype`` (so forward and backward run, and gradients come out, in that dtype) while the optimizer is pointed
-at fp32 master copies: before its step each master's gradient is the compute gradient cast to fp32, and after it
-each compute parameter is the updated master cast back. Passes shard the master weights with the optimizer state
+``param_dtype`` (so forward and backward run, and gradients come out, in that dtype; frozen parameters too) while
+the optimizer is pointed at fp32 master copies: after backward each master's gradient is the compute gradient cast
+to fp32 (and unscaled), and after the optimizer's step each compute parameter is the updated master cast back. Passes shard the master weights with the optimizer state
 (P_os) and move compute parameters and gradients in the low precision: the paper's b_p = b_g = 2, K = 4 + 8.
 """
 
@@ -46,48 +46,88 @@ class MixedPrecision:
 
 FOUND_INF = "zerofx_found_inf"  # node.meta flag: this rank's "a gradient is not finite", before ranks agree
 PER_TENSOR_CHECK = "zerofx_finite_check"  # node.meta flag: a per-gradient finiteness reduction (global once agreed)
+MASTER_GRAD = "zerofx_master_grad"  # node.meta flag: an fp32 master gradient, the unscaled image of a gradient
 
 
-@contextlib.contextmanager
-def master_weight_hooks(optimizer: torch.optim.Optimizer, compute: dict, master: dict, scaling=None):
-    """While tracing: masters take the compute gradients (cast, and unscaled with loss scaling) before the step;
-    compute parameters take the updated masters (cast) after it. ``compute`` and ``master`` map fqn -> traced
-    tensor; ``scaling`` is (LossScaling, scale, growth tracker) as traced tensors. With scaling the update is
-    computed together with "a gradient is not finite", which passes make global and turn into a skipped step,
-    and the scale is updated as GradScaler updates it."""
-    found = []
+class MixedPrecisionTrace:
+    """What mixed precision does while the step is traced, as FSDP2's users see it.
 
-    def grads_to_master(*_):
-        for fqn, m in master.items():
-            g = compute[fqn].grad
-            m.grad = None if g is None else g.to(m.dtype)
-        if scaling is not None:
-            config, scale, _ = scaling
-            inverse = scale.double().reciprocal().float()
-            checks = []
-            for m in master.values():
-                if m.grad is not None:
-                    m.grad.mul_(inverse)
-                    checks.append(torch.isfinite(m.grad).all())
-                    _flag(checks[-1], PER_TENSOR_CHECK)
-            found.append(torch.stack(checks).all().logical_not().float())
-            _flag(found[-1], FOUND_INF)
+    Forward and backward run on the compute parameters (``param_dtype``). When a backward ends, each master weight
+    takes its gradient: the compute gradient cast to fp32 and, with loss scaling, unscaled (GradScaler's
+    ``unscale_``), with "a gradient is not finite" computed from all of them once. From then until the next forward
+    the module shows the master weights, so user code after backward (``clip_grad_norm_``, logging) reads fp32
+    unscaled gradients, and any number of optimizers update masters. After each optimizer's step its compute
+    parameters take their masters' values; at the end of the step the scale is updated once
+    (``_amp_update_scale_``). ``compute`` and ``masters`` map fqn -> traced tensor; ``views`` are (module, name ->
+    master or frozen compute tensor) for showing the masters."""
 
-    def masters_to_compute(*_):
+    def __init__(self, scaling: LossScaling | None, scale, growth, compute: dict, masters: dict, views: list):
+        self.scaling, self.scale, self.growth = scaling, scale, growth
+        self.compute, self.masters, self.views = compute, masters, views
+        self._shown = contextlib.ExitStack()
+        self._found = None
+        self.conversions: list[list] = []  # graph nodes each backward's conversion made; all but the last are dropped
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaling is None else loss.float() * self.scale
+
+    def after_backward(self) -> None:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        graph = get_proxy_mode().tracer.graph
+        before = len(graph.nodes)
+        inverse = None if self.scaling is None else self.scale.double().reciprocal().float()
+        checks = []
+        for fqn, m in self.masters.items():
+            g = self.compute[fqn].grad
+            if g is None:
+                m.grad = None
+                continue
+            m.grad = g.to(m.dtype)
+            _flag(m.grad, MASTER_GRAD)
+            if inverse is not None:
+                m.grad.mul_(inverse)
+                checks.append(torch.isfinite(m.grad).all())
+                _flag(checks[-1], PER_TENSOR_CHECK)
+        if checks:
+            self._found = torch.stack(checks).all().logical_not().float()
+            _flag(self._found, FOUND_INF)
+        self.conversions.append(list(graph.nodes)[before:])
+        self.show_masters()
+
+    def show_masters(self) -> None:
+        from torch.nn.utils import stateless
+
+        self._shown.close()
+        for module, mapping in self.views:
+            self._shown.enter_context(stateless._reparametrize_module(module, mapping))
+
+    def show_compute(self) -> None:
+        self._shown.close()
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
         with torch.no_grad():
-            for fqn, m in master.items():
-                compute[fqn].copy_(m)
-            if scaling is not None:
-                config, scale, growth = scaling
-                torch._amp_update_scale_(scale, growth, found[-1], config.growth_factor, config.backoff_factor,
-                                         config.growth_interval)
+            for fqn, m in self.masters.items():
+                if id(m) in updated:
+                    self.compute[fqn].copy_(m)
 
-    handles = [optimizer.register_step_pre_hook(grads_to_master), optimizer.register_step_post_hook(masters_to_compute)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    def at_step_end(self) -> None:
+        self.show_compute()
+        if self.scaling is not None and self._found is not None:
+            torch._amp_update_scale_(self.scale, self.growth, self._found, self.scaling.growth_factor,
+                                     self.scaling.backoff_factor, self.scaling.growth_interval)
+
+
+def drop_superseded_conversions(graph, conversions: list[list]) -> None:
+    """With several micro-batches every backward converted the gradients accumulated so far; only the last
+    conversion is what user code and the optimizer read. Earlier ones nothing outside them reads are removed."""
+    for nodes in conversions[:-1]:
+        members = set(nodes)
+        if any(user not in members for n in nodes for user in n.users):
+            continue
+        for n in reversed(nodes):
+            graph.erase_node(n)
 
 
 def _flag(tensor: torch.Tensor, key: str) -> None:

@@ -32,51 +32,76 @@ class ShardedState:
     sharded_state_keys: set[tuple[int, str, str]] = field(default_factory=set)
     loss_scale: torch.Tensor | None = None  # float16: the dynamic loss scale and its growth tracker
     growth_tracker: torch.Tensor | None = None
+    module_params: dict[str, torch.Tensor] = field(default_factory=dict)  # the module's, by fqn (frozen ones stay)
+    frozen_casts: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)  # mixed: frozen, in param_dtype
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
              rank: int, mixed: MixedPrecision | None = None) -> "ShardedState":
-        state = cls(stage, rank, layouts, mixed)
+        state = cls(stage, rank, {}, mixed, module_params=binding.params)
         if mixed is not None and mixed.scaling is not None:
             device = next(iter(binding.params.values())).device
             state.loss_scale = torch.tensor(mixed.scaling.init_scale, dtype=torch.float32, device=device)
             state.growth_tracker = torch.tensor(0, dtype=torch.int32, device=device)
-        for fqn, layout in layouts.items():
+        state.absorb(binding, args, layouts)
+        return state
+
+    def absorb(self, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout]) -> bool:
+        """Take the trainable parameters of ``layouts`` not yet owned (all of them on the first call, a parameter
+        unfrozen later) with their optimizer state, and release the originals. True if it took any."""
+        new = {fqn: layout for fqn, layout in layouts.items() if fqn not in self.layouts}
+        self.layouts.update(new)
+        mixed = self.mixed
+        for fqn, layout in new.items():
             p = binding.params[fqn].detach()
             compute = p.to(mixed.param_dtype) if mixed else p
-            if stage == 0:
-                state.params[fqn] = compute.clone()
-            else:
-                state.params[fqn] = layout.padded_flat(compute) if stage < 3 else layout.shard_of(compute, rank)
-                if mixed:
-                    state.masters[fqn] = layout.shard_of(p, rank)
-        if stage == 0:
-            return state
+            self.frozen_casts.pop(fqn, None)
+            if self.stage == 0:
+                self.params[fqn] = compute.clone()
+                continue
+            self.params[fqn] = layout.padded_flat(compute) if self.stage < 3 else layout.shard_of(compute, self.rank)
+            if mixed:
+                self.masters[fqn] = layout.shard_of(p, self.rank)
+        if self.stage == 0 or not new:
+            return bool(new)
         fqn_of = binding.fqn_of
         for oi, opt in enumerate(binding.optimizers(args)):
             for p, entries in opt.state.items():
                 fqn = fqn_of[id(p)]
+                if fqn not in new:
+                    continue
                 for key, value in entries.items():
                     if not isinstance(value, torch.Tensor):
                         continue
-                    if fqn in layouts and layouts[fqn].shards(key, value.shape):
-                        state.opt_state[(oi, fqn, key)] = layouts[fqn].shard_of(value, rank)
-                        state.sharded_state_keys.add((oi, fqn, key))
+                    if new[fqn].shards(key, value.shape):
+                        self.opt_state[(oi, fqn, key)] = new[fqn].shard_of(value, self.rank)
+                        self.sharded_state_keys.add((oi, fqn, key))
                     else:
-                        state.opt_state[(oi, fqn, key)] = value  # scalars (Adam's step) stay whole
-        state._release(binding, args)
-        return state
+                        self.opt_state[(oi, fqn, key)] = value  # scalars (Adam's step) stay whole
+        self._release(binding, args, new)
+        return True
 
-    def _release(self, binding: StepBinding, args: tuple) -> None:
-        for fqn in self.layouts:
+    def _release(self, binding: StepBinding, args: tuple, fqns) -> None:
+        for fqn in fqns:
             p = binding.params[fqn]
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             p.grad = None
+        released = {id(binding.params[fqn]) for fqn in fqns}
         for opt in binding.optimizers(args):
-            for entries in opt.state.values():
+            for p, entries in opt.state.items():
+                if id(p) not in released:
+                    continue
                 for key, value in entries.items():
                     if isinstance(value, torch.Tensor):
                         entries[key] = torch.empty(0, dtype=value.dtype, device=value.device)
+
+    def frozen_compute(self, fqn: str, param: torch.Tensor) -> torch.Tensor:
+        """A frozen parameter in ``param_dtype``, cast once and again only after the parameter changed."""
+        version = (param.data_ptr(), param._version)
+        cached = self.frozen_casts.get(fqn)
+        if cached is None or cached[0] != version:
+            cached = self.frozen_casts[fqn] = (version, param.detach().to(self.mixed.param_dtype))
+        return cached[1]
 
     def lookup(self, slot: Slot):
         """The tensor (or rank) the graph input ``slot`` takes from this state; None where the module owns it."""
@@ -87,7 +112,10 @@ class ShardedState:
         if slot.role == Role.GROWTH_TRACKER:
             return self.growth_tracker
         if slot.role == Role.PARAM:
-            return self.params.get(slot.fqn)
+            owned = self.params.get(slot.fqn)
+            if owned is None and self.mixed is not None:
+                return self.frozen_compute(slot.fqn, self.module_params[slot.fqn])
+            return owned
         if slot.role == Role.MASTER:
             return self.masters.get(slot.fqn)
         if slot.role == Role.OPT_STATE:

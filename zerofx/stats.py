@@ -50,6 +50,19 @@ def ring_volume(records: list[CollectiveRecord]) -> float:
     return total
 
 
+def _k_optimizer(binding, args, owned) -> float:
+    """K of fp32 optimizer state over every optimizer of the step, weighted by the elements each one updates."""
+    numel = {fqn: layout.numel for fqn, layout in owned.layouts.items()} if owned and owned.layouts else \
+        {fqn: p.numel() for fqn, p in binding.params.items() if p.requires_grad}
+    weighted, total = 0.0, 0
+    for opt in binding.optimizers(args):
+        updated = sum(numel.get(binding.fqn_of[id(p)], 0) for group in opt.param_groups for p in group["params"])
+        weighted += formulas.optimizer_bytes_per_param(opt) * updated
+        total += updated
+    k = weighted / total if total else 0.0
+    return int(k) if k == int(k) else k
+
+
 def measure(config, compiled, binding, args, owned, records, probe, traces: int) -> StepStats:
     num_params = sum(layout.numel for layout in owned.layouts.values()) if owned else \
         sum(p.numel() for p in binding.params.values() if p.requires_grad)
@@ -67,11 +80,10 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
     state = {"params": params, "grads": grads, "master_params": masters, "optimizer_states": optimizer}
     state["total"] = None if grads is None else params + grads + masters + optimizer
     element = next(iter(binding.params.values())).dtype.itemsize
-    opt = binding.optimizers(args)[0]
     formula = formulas.formula(config.stage,
                                b_param=mixed.param_dtype.itemsize if mixed else element,
                                b_grad=mixed.grad_dtype.itemsize if mixed else element,
-                               k_optimizer=formulas.optimizer_bytes_per_param(opt) + (4 if mixed else 0),
+                               k_optimizer=_k_optimizer(binding, args, owned) + (4 if mixed else 0),
                                reshard_after_forward=config.reshard_after_forward,
                                micro_batches=StepGraph(compiled.gm).num_microbatches())
     return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),

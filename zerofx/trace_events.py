@@ -85,22 +85,24 @@ def on_optimizer_start(recorder: PhaseRecorder, fake_params: dict) -> None:
 
 
 @contextlib.contextmanager
-def track_backward(recorder: PhaseRecorder, fake_params: dict, loss_scale: torch.Tensor | None):
-    """Phase events around ``torch.autograd.backward``; with loss scaling, backward starts from loss * scale."""
+def track_backward(recorder: PhaseRecorder, fake_params: dict, mixed_trace=None):
+    """Phase events around ``torch.autograd.backward``; under mixed precision (a `MixedPrecisionTrace`) backward
+    starts from the scaled loss and ends by giving the master weights their gradients."""
     real_backward = torch.autograd.backward
 
     def backward(*a, **k):
-        if loss_scale is not None:
+        if mixed_trace is not None and mixed_trace.scaling is not None:
             if not (a and isinstance(a[0], torch.Tensor) and a[0].numel() == 1):
                 raise CaptureError("loss scaling needs backward() of one scalar loss",
                                    hint="call loss.backward() on the scalar loss")
-            a = (a[0].float() * loss_scale,) + a[1:]
+            a = (mixed_trace.scale_loss(a[0]),) + a[1:]
         recorder.event("backward_start")
-        try:
-            return real_backward(*a, **k)
-        finally:
-            recorder.event("backward_end")
-            recorder.note_grads(fake_params, Role.GRAD)
+        result = real_backward(*a, **k)
+        recorder.event("backward_end")
+        recorder.note_grads(fake_params, Role.GRAD)
+        if mixed_trace is not None:
+            mixed_trace.after_backward()
+        return result
 
     with mock.patch.object(torch.autograd, "backward", backward):
         yield
