@@ -3,13 +3,13 @@
 import contextlib
 
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
 from models import (TINY_GPT, accumulating_train_step, clipped_train_step, gpt_and_adamw, token_batch,
                     train_beside, train_step)
 from nanogpt import GPTConfig
+from peers.measure import CollectiveSizes
 
 
 def _ddp_full_state(model, opt) -> dict:
@@ -45,8 +45,11 @@ def parity_with_ddp(rank, world_size, stage, steps=10, bucket_bytes=8 * 1024, re
                                        atol=tol, msg=name)
     released = model.wte.weight
     spans_buckets = len(step.graph().code.split("reduce_scatter(")) - 1
+    with CollectiveSizes() as comm:
+        step(model, opt, *token_batch(steps, rank))
     return {"released_numel": released.numel(), "reduce_scatters": spans_buckets, "losses": losses,
             "records": [(r.kind, r.numel, r.purpose) for r in step.stats().collectives],
+            "dispatched": [(r.kind, r.numel, r.group_size) for r in comm.records],
             "comm_volume": step.stats().comm_volume, "num_params": step.stats().num_params,
             "formula_comm": step.stats().formula.evaluate(step.stats().formula.comm, step.stats().num_params,
                                                           world_size)}
@@ -71,7 +74,7 @@ def _ddp_accumulating(ddp):
 
 def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshard_after_forward=True,
                prefetch=1, mixed=False, reduce_fp32=False):
-    """One measured step: stats, the layouts, and CommDebugMode's counts around it."""
+    """One measured step: stats, the layouts, and what CommDebugMode saw dispatched around it."""
     cfg = cfg or TINY_GPT
     model, opt = gpt_and_adamw(cfg=cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the paper's fp32 Adam: K = 8
@@ -80,22 +83,30 @@ def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshar
                           mixed_precision=zerofx.MixedPrecision(torch.bfloat16, torch.float32 if reduce_fp32 else None)
                           if mixed else None)
     step(model, opt, *token_batch(0, rank, cfg=cfg))
-    with CommDebugMode() as comm:
+    with CollectiveSizes() as comm:
         step(model, opt, *token_batch(1, rank, cfg=cfg))
     stats = step.stats()
     layouts = step._owned.layouts if step._owned and step._owned.stage else {}
+    padded_params = sum(l.padded_numel for l in layouts.values())
     return {
         "num_params": stats.num_params,
-        "padded_params": sum(l.padded_numel for l in layouts.values()),
+        "padded_params": padded_params,
         "num_param_tensors": len(layouts),
         "model_state_bytes": stats.model_state_bytes,
         "peak_bytes": stats.peak_bytes,
         "at_peak": step._last_probe.at_peak,
+        "high_water": step._last_probe.high_water,
+        "high_water": step._last_probe.high_water,
+        "gather_bucket_bytes": [b.nbytes for b in step._last.ctx.artifacts.get("gather_buckets", [])],
         "comm_volume": stats.comm_volume,
         "records": [(r.kind, r.numel, r.purpose) for r in stats.collectives],
+        "dispatched": [(r.kind, r.numel, r.group_size) for r in comm.records],
         "comm_debug_counts": {str(k): v for k, v in comm.get_comm_counts().items()},
         "formula_total": stats.formula.evaluate(stats.formula.model_states, stats.num_params, world_size),
-        "formula_comm": stats.formula.evaluate(stats.formula.comm, stats.num_params, world_size),
+        "formula_at_paper_scale": stats.formula.evaluate(stats.formula.model_states, 7.5e9, 64),
+        # padding travels with the parameters: the formula at the padded Ψ is what the collectives move
+        "formula_comm_padded": stats.formula.evaluate(stats.formula.comm, padded_params or stats.num_params,
+                                                      world_size),
         "bucket_sizes": [b.nbytes for b in step._last.ctx.artifacts["grad_buckets"]],
     }
 

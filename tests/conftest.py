@@ -5,6 +5,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # peers.measure: CommDebugMode with each collective's size
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dist_pool import WorkerPool  # noqa: E402

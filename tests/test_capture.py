@@ -41,8 +41,11 @@ def test_step_graph_answers_grad_update_and_uses_of_a_parameter():
     first_bwd, last_bwd = sg.first_use(fqn, Phase.BACKWARD), sg.last_use(fqn, Phase.BACKWARD)
     order = sg.order
     assert order[first_fwd] <= order[last_fwd] < order[first_bwd] <= order[last_bwd] < order[updates[0]]
-    # the tied embedding: used by the input lookup and the output head, one gradient summing both
-    assert len(sg.uses("wte.weight", Phase.FORWARD)) >= 2
+    # the tied embedding: used by the input lookup and the output head (a linear without bias on the flattened
+    # activations: mm with the transposed weight), one gradient summing both
+    aten = torch.ops.aten
+    assert [n.target for n in sg.uses("wte.weight", Phase.FORWARD)] == [aten.embedding.default, aten.t.default,
+                                                                        aten.mm.default]
     assert sg.grad("wte.weight") is not None
 
 

@@ -40,7 +40,7 @@ def test_bucket_allreduce_one_collective_per_bucket_placed_when_the_bucket_is_re
     sg = StepGraph(gm)
     reduces = [n for n in gm.graph.nodes if n.target is collectives.all_reduce]
     buckets = ctx.artifacts["grad_buckets"]
-    assert len(reduces) == len(buckets) > 1
+    assert len(reduces) == len(buckets) == 12  # 16 KiB buckets of the tiny GPT, counted in test_stage0_dist
     psi = sum(p.numel() for p in gpt_and_adamw()[0].parameters())
     assert sum(b.numel for b in buckets) == psi
     assert all(b.nbytes <= bucket_bytes or len(b.names) == 1 for b in buckets)

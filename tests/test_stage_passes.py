@@ -9,7 +9,6 @@ from nanogpt import GPTConfig
 from zerofx import collectives
 from zerofx.binding import StepBinding
 from zerofx.capture import capture
-from zerofx.formulas import formula
 from zerofx.passes import PassContext, pipeline
 from zerofx.report import paper_table
 from zerofx.step_graph import Phase, Role, StepGraph, tag
@@ -149,11 +148,9 @@ def test_a_per_parameter_norm_in_the_optimizer_is_refused_at_stage_1(monkeypatch
 
 
 def test_the_papers_table():
-    text = paper_table(7.5e9, 64)
-    for figure in ("120", "31.4", "16.6", "1.88"):
-        assert figure in text
-    f = formula(3, b_param=2, b_grad=2, k_optimizer=12)
-    assert f.evaluate(f.model_states, 7.5e9, 64) == pytest.approx(1.875e9)
+    """The paper's model states for a 7.5B-parameter model on 64 ranks with mixed-precision Adam, in GB."""
+    rows = [line.split() for line in paper_table(7.5e9, 64).splitlines()[2:]]
+    assert [(row[0], row[-1]) for row in rows] == [("0", "120"), ("1", "31.4"), ("2", "16.6"), ("3", "1.88")]
 
 
 def test_report_shows_measured_next_to_formula():
@@ -161,6 +158,13 @@ def test_report_shows_measured_next_to_formula():
     step = zerofx.compile(train_step, stage=2, track_memory=True)
     step(model, opt, *token_batch(0, 0))
     text = zerofx.report(step, print_output=False)
-    assert "model states total" in text and "K*Psi/N_d" in text and "communication" in text
     stats = step.stats()
-    assert stats.model_state_bytes["total"] >= stats.formula.evaluate(stats.formula.model_states, stats.num_params, 1)
+    measured = stats.model_state_bytes["total"]
+    formula = stats.formula.evaluate(stats.formula.model_states, stats.num_params, 1)
+    # the formula leaves out Adam's step counters: a 4-byte scalar per parameter tensor, 2 embeddings, 12 per
+    # block and 2 in ln_f
+    assert measured == formula + 28 * 4
+    total_row = next(line for line in text.splitlines() if line.startswith("model states total"))
+    assert total_row.split() == ["model", "states", "total", f"{measured:,}", "K*Psi/N_d", "+", "Psi*b_p", "+",
+                                 "Psi*b_g/N_d", f"{formula:,.0f}"]
+    assert "communication" in text

@@ -72,6 +72,8 @@ class StepProbe(fx.Interpreter):
     """Runs a step graph node by node under a `LiveStorageTracker` and measures, from the live storages:
 
     - ``peak_bytes`` and ``at_peak``, the bytes alive at that moment by what they hold;
+    - ``high_water``, per category the most bytes alive at once, each at its own moment (gathered parameters
+      peak where their buckets are in flight, which need not be the overall peak);
     - ``grad_bytes``, gradient storage alive when backward ends (its last node, after the reduce-scatters a stage
       issues inside backward).
 
@@ -85,11 +87,12 @@ class StepProbe(fx.Interpreter):
         super().__init__(gm)
         backward = [n for n in gm.graph.nodes if n.op == "call_function" and tag(n) and tag(n).phase == Phase.BACKWARD]
         self._end_of_backward = backward[-1] if backward else None
-        self._category: dict[int, tuple[StorageWeakRef, str]] = {}  # a freed storage's key can be reused
+        self._category: dict[int, tuple[StorageWeakRef, str]] = {}  # live storages; a freed one's key is reused
         self._tracker: LiveStorageTracker | None = None
         self.grad_bytes = 0
         self.peak_bytes = 0
         self.at_peak: dict[str, int] = {}
+        self.high_water: dict[str, int] = {}
 
     def run_step(self, inputs: list, roots=()):
         with LiveStorageTracker(roots) as tracker:
@@ -108,18 +111,21 @@ class StepProbe(fx.Interpreter):
                 if known is None or known[0].expired() or category in ("grads", "gathered_params"):
                     self._category[ref.cdata] = (ref, category)
         live = self._tracker.live_by_storage()
+        for key in self._category.keys() - live.keys():  # freed since the last node: the key may be reused
+            del self._category[key]
+        live_by_category: dict[str, int] = {}
+        for key, nbytes in live.items():
+            known = self._category.get(key)
+            name = known[1] if known is not None else "activations"
+            live_by_category[name] = live_by_category.get(name, 0) + nbytes
+        for name, nbytes in live_by_category.items():
+            if nbytes > self.high_water.get(name, 0):
+                self.high_water[name] = nbytes
         if self._tracker.live_bytes >= sum(self.at_peak.values()):
-            self.at_peak = {}
-            for key, nbytes in live.items():
-                name = self.category(key)
-                self.at_peak[name] = self.at_peak.get(name, 0) + nbytes
+            self.at_peak = live_by_category
         if n is self._end_of_backward:
-            self.grad_bytes = sum(b for k, b in live.items() if self.category(k) == "grads")
+            self.grad_bytes = live_by_category.get("grads", 0)
         return result
-
-    def category(self, key: int) -> str:
-        known = self._category.get(key)
-        return known[1] if known is not None and not known[0].expired() else "activations"
 
 
 _INPUT_CATEGORY = {Role.PARAM: "params", Role.OPT_STATE: "optimizer_states", Role.BATCH: "batch",
