@@ -164,12 +164,14 @@ def _clipped(model, optimizer, x, y):
 
 def fp16_clip_against_grad_scaler(rank, world_size, stage, steps=5):
     """FSDP2 in float16 with GradScaler, ``unscale_`` then ``clip_grad_norm_``: the norm zerofx's step returns is the
-    unscaled one, and the parameters after 5 steps agree within float16 rounding."""
+    unscaled one, and the parameters after 5 steps agree within float16 rounding. Both start from a scale of 2^10,
+    at which no step overflows, so every step's norm is compared."""
     ref_model, ref_opt = _fsdp2_gpt(torch.float16)
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     model, opt = gpt_and_adamw()
+    scaling = zerofx.LossScaling(init_scale=2.0**10)
     step = zerofx.compile(_clipped, stage=stage, bucket_bytes=8 * 1024,
-                          mixed_precision=zerofx.MixedPrecision(torch.float16))
+                          mixed_precision=zerofx.MixedPrecision(torch.float16, loss_scaling=scaling))
     norms, ref_norms = [], []
     for i in range(steps):
         x, y = token_batch(i, rank)
@@ -185,3 +187,131 @@ def fp16_clip_against_grad_scaler(rank, world_size, stage, steps=5):
     for name, p in ref_model.named_parameters():
         torch.testing.assert_close(ours[name], p.full_tensor(), rtol=0, atol=2e-3, msg=name)
     return {"norms": norms, "scale": step.loss_scale, "ref_scale": scaler.get_scale()}
+
+
+# --- frozen parameters -----------------------------------------------------------------------------------------------
+
+FROZEN = ("wpe.weight", "blocks.0.ln1.weight", "blocks.0.ln1.bias", "blocks.1.mlp.0.weight")
+
+
+def _freeze(model, names=FROZEN):
+    for name, p in model.named_parameters():
+        if name in names:
+            p.requires_grad_(False)
+
+
+def frozen_bf16_against_fsdp2(rank, world_size, stage, steps=6):
+    """Frozen parameters computed in bf16 beside trainable ones, FSDP2 with the same frozen set and policy."""
+    torch.manual_seed(0)
+    ref_model = gpt_and_adamw()[0]
+    _freeze(ref_model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in ref_model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(ref_model, mp_policy=policy)
+    ref_opt = torch.optim.AdamW(param_groups(ref_model, weight_decay=0.1), lr=3e-3)
+    model, opt = gpt_and_adamw()
+    _freeze(model)
+    step = zerofx.compile(train_step, stage=stage, bucket_bytes=8 * 1024,
+                          mixed_precision=zerofx.MixedPrecision(torch.bfloat16))
+    losses = [step(model, opt, *token_batch(i, rank)).item() for i in range(steps)]
+    ref_losses = [train_step(ref_model, ref_opt, *token_batch(i, rank)).item() for i in range(steps)]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-2, atol=0)
+    ours = zerofx.full_state_dict(step)["model"]
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(ours[name], p.full_tensor(), rtol=0, atol=1e-3, msg=name)
+        if name in FROZEN:
+            assert torch.equal(ours[name], gpt_and_adamw()[0].state_dict()[name]), name  # never moved
+    return {"losses": losses, "num_params": step.stats().num_params}
+
+
+def unfreeze_against_ddp(rank, world_size, stage, steps=6, unfreeze_at=2):
+    """A parameter frozen for two steps, then trained: the step re-traces, takes it, and trains it as DDP does
+    (DDP is built again after the change, since it reduces only what required grad when it was built)."""
+    ref_model, ref_opt = gpt_and_adamw()
+    _freeze(ref_model, ("wpe.weight",))
+    ddp = DDP(ref_model)
+    model, opt = gpt_and_adamw()
+    _freeze(model, ("wpe.weight",))
+    step = zerofx.compile(train_step, stage=stage, bucket_bytes=8 * 1024)
+    for i in range(steps):
+        if i == unfreeze_at:
+            model.wpe.weight.requires_grad_(True)
+            ref_model.wpe.weight.requires_grad_(True)
+            ddp = DDP(ref_model)
+        x, y = token_batch(i, rank)
+        torch.testing.assert_close(step(model, opt, x, y).item(), train_step(ddp, ref_opt, x, y).item(),
+                                   rtol=1e-5, atol=0, msg=f"step {i}")
+    assert_matches_ddp(step, ref_model, ref_opt)
+    trained = zerofx.full_state_dict(step)["model"]["wpe.weight"]
+    return {"traces": step.stats().traces, "moved": not torch.equal(trained, gpt_and_adamw()[0].wpe.weight),
+            "released": model.wpe.weight.numel()}
+
+
+# --- two optimizers --------------------------------------------------------------------------------------------------
+
+def _two_optimizer_step(model, adamw, sgd, x, y, poison):
+    adamw.zero_grad()
+    sgd.zero_grad()
+    bias = getattr(model, "module", model).ln_f.bias  # under DDP, the wrapped module's
+    loss = model(x, y) + (bias * poison).sum()  # poison: 0, or inf into a parameter of the second optimizer
+    loss.backward()
+    adamw.step()
+    sgd.step()
+    return loss
+
+
+def _two_optimizers(model):
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(matrices, lr=3e-3, weight_decay=0.1), torch.optim.SGD(rest, lr=0.05, momentum=0.9)
+
+
+def two_optimizers_against_ddp(rank, world_size, stage, steps=5):
+    ref_model = gpt_and_adamw()[0]
+    ref_adamw, ref_sgd = _two_optimizers(ref_model)
+    ddp = DDP(ref_model)
+    model = gpt_and_adamw()[0]
+    adamw, sgd = _two_optimizers(model)
+    step = zerofx.compile(_two_optimizer_step, stage=stage, bucket_bytes=8 * 1024)
+    clean = torch.zeros(())
+    for i in range(steps):
+        x, y = token_batch(i, rank)
+        torch.testing.assert_close(step(model, adamw, sgd, x, y, clean).item(),
+                                   _two_optimizer_step(ddp, ref_adamw, ref_sgd, x, y, clean).item(),
+                                   rtol=1e-5, atol=0, msg=f"step {i}")
+    full = zerofx.full_state_dict(step)
+    names = {id(p): n for n, p in ref_model.named_parameters()}
+    for name, value in ref_model.state_dict().items():
+        torch.testing.assert_close(full["model"][name], value, rtol=1e-5, atol=1e-7, msg=name)
+    for oi, ref_opt in enumerate((ref_adamw, ref_sgd)):
+        for p, state in ref_opt.state.items():
+            torch.testing.assert_close(full["optimizer"][oi]["state"][names[id(p)]], state, rtol=1e-5, atol=1e-7)
+    stats = step.stats()
+    return {"k": stats.formula.bytes_per_element[zerofx.formulas.K], "num_params": stats.num_params}
+
+
+def two_optimizers_fp16_overflow(rank, world_size, stage):
+    """One scale update per step whatever the number of optimizers; an inf on rank 1 only, in a parameter the
+    second optimizer updates, skips the step on every rank."""
+    model = gpt_and_adamw()[0]
+    adamw, sgd = _two_optimizers(model)
+    scaling = zerofx.LossScaling(init_scale=2.0**10, growth_interval=1)
+    step = zerofx.compile(_two_optimizer_step, stage=stage, bucket_bytes=8 * 1024,
+                          mixed_precision=zerofx.MixedPrecision(torch.float16, loss_scaling=scaling))
+    clean = torch.zeros(())
+    scales = []
+    for i in range(4):
+        step(model, adamw, sgd, *token_batch(i, rank), clean)
+        scales.append(step.loss_scale)
+    before = zerofx.full_state_dict(step)
+    poison = torch.tensor(float("inf") if rank == 1 else 0.0)
+    step(model, adamw, sgd, *token_batch(4, rank), poison)
+    after = zerofx.full_state_dict(step)
+    for name in before["model"]:
+        assert torch.equal(before["model"][name], after["model"][name]), name
+    for oi in (0, 1):
+        for name, state in before["optimizer"][oi]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(value, after["optimizer"][oi]["state"][name][key]), (oi, name, key)
+    return {"scales": scales, "after_overflow": step.loss_scale}

@@ -31,5 +31,34 @@ def test_short_batch_eval_step_and_weight_decay_change_retrace_once_each(ranks2,
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_clipping_reads_unscaled_gradients_as_grad_scaler_unscale(ranks2, stage):
     result = ranks2.run(cases.fp16_clip_against_grad_scaler, stage=stage)[0]
-    assert all(0.1 < n < 100 for n in result["norms"])  # a scaled norm would be about 65536 times larger
-    assert result["scale"] == result["ref_scale"]
+    assert all(0.1 < n < 100 for n in result["norms"])  # a scaled norm would be 1024 times larger
+    assert result["scale"] == result["ref_scale"] == 2.0**10  # no overflow, no growth within 2000 steps
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_frozen_parameters_in_bf16_match_fsdp2(ranks2, stage):
+    result = ranks2.run(cases.frozen_bf16_against_fsdp2, stage=stage)[0]
+    assert result["num_params"] == 23392  # Ψ counts the trainable parameters: 28,064 less the 4,672 frozen
+
+
+def test_unfreezing_retraces_and_trains_as_under_ddp(ranks2):
+    result = ranks2.run(cases.unfreeze_against_ddp, stage=2)[0]
+    assert result["traces"] == 2 and result["moved"]
+    assert result["released"] == 0  # the step took the parameter when it began to train
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_two_optimizers_match_ddp(ranks2, stage):
+    result = ranks2.run(cases.two_optimizers_against_ddp, stage=stage)[0]
+    model = cases.gpt_and_adamw()[0]
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    assert result["num_params"] == 28064
+    # AdamW keeps 8 bytes per element of the matrices, SGD with momentum 4 per element of the rest
+    assert result["k"] == pytest.approx((8 * matrices + 4 * (28064 - matrices)) / 28064)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_two_optimizers_in_fp16_scale_once_and_skip_together(ranks2, stage):
+    for result in ranks2.run(cases.two_optimizers_fp16_overflow, stage=stage):
+        assert result["scales"] == [2.0**11, 2.0**12, 2.0**13, 2.0**14]  # grown once per step, not per optimizer
+        assert result["after_overflow"] == 2.0**13

@@ -9,13 +9,13 @@ from zerofx.api import CompiledStep, Config, compile
 from zerofx.collectives import CollectiveRecord
 from zerofx.errors import CaptureError, CheckpointError, RankMismatchError
 from zerofx.memory import LiveStorageTracker
-from zerofx.mixed_precision import MixedPrecision
+from zerofx.mixed_precision import LossScaling, MixedPrecision
 from zerofx.report import report
 from zerofx.state_dict import full_state_dict, load_state_dict, state_dict
 from zerofx.stats import StepStats
 
 __all__ = [
-    "compile", "CompiledStep", "Config", "MixedPrecision", "CaptureError", "CheckpointError", "RankMismatchError",
+    "compile", "CompiledStep", "Config", "MixedPrecision", "LossScaling", "CaptureError", "CheckpointError", "RankMismatchError",
     "state_dict", "load_state_dict", "full_state_dict", "checkpoint", "StepStats", "CollectiveRecord",
     "LiveStorageTracker", "report", "passes",
 ]
