@@ -61,7 +61,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     recorder = PhaseRecorder()
     out_slots: list[tuple[Slot, bool]] = []  # (slot, keep as a graph output)
     out_meta: dict[str, Any] = {}
-    conversions: list[MixedPrecisionTrace | None] = []
+    mixed_traces: list[MixedPrecisionTrace] = []  # made inside the trace, read after it
 
     def traced(*flat):
         fakes = dict(zip(range(len(slots)), flat))
@@ -83,7 +83,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
         mixed_trace = None if mixed is None else MixedPrecisionTrace(
             mixed.scaling, by_role.get(Role.LOSS_SCALE), by_role.get(Role.GROWTH_TRACKER), fake_params, fake_masters,
             _module_views(binding, modules, {**fake_params, **fake_masters, **fake_buffers}))
-        conversions.append(mixed_trace)
+        if mixed_trace is not None:
+            mixed_traces.append(mixed_trace)
 
         def forward_start(*_):
             recorder.event("forward_start")
@@ -132,8 +133,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             source=user_frame(e.__traceback__),
         ) from None
     gm.graph._codegen = fx.graph.CodeGen()  # plain positional inputs and a flat list of outputs
-    if conversions[0] is not None:
-        drop_superseded_conversions(gm.graph, conversions[0].conversions)
+    for mixed_trace in mixed_traces:
+        drop_superseded_conversions(gm.graph, mixed_trace.conversions)
     recorder.tag_rest(gm.graph)
     for node, slot in recorder.grad_nodes:
         node.meta[TAG].slots.append(slot)
