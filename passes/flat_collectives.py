@@ -107,6 +107,31 @@ def all_gather_bucket(graph: fx.Graph, shards: list[fx.Node], layouts: list[Para
     return categorize(node, "gathered_param")
 
 
+def all_gather_params(graph: fx.Graph, shards: list[fx.Node], layouts: list[ParamLayout], ctx: PassContext,
+                      like: fx.Node, phase: Phase | None = None) -> fx.Node:
+    """Issue one all-gather of the parameters' shards into one buffer per parameter (the padded flat parameter, since
+    rank r's chunk is its r-th): nothing is packed before or copied out after."""
+    with fake_mode_of(graph):
+        vals = [torch.empty(l.padded_numel, dtype=l.dtype) for l in layouts]
+    node = add_call(graph, collectives.all_gather_coalesced, (shards, ctx.group_name, ctx.world_size), like=like,
+                    phase=phase, val=vals)
+    return categorize(node, "gathered_param")
+
+
+def gathered_params(graph: fx.Graph, pending: fx.Node, layouts: list[ParamLayout], like: fx.Node,
+                    phase: Phase | None = None) -> list[fx.Node]:
+    """Wait for ``all_gather_params`` and view each parameter, full-shaped, in its own gathered buffer."""
+    fulls = []
+    for i, layout in enumerate(layouts):
+        out = add_call(graph, operator.getitem, (pending, i), like=like, phase=phase, val=pending.meta["val"][i])
+        done = categorize(add_call(graph, collectives.wait, (out, pending.args[0]), like=like, phase=phase,
+                                   val=out.meta["val"]), "gathered_param")
+        flat = done if layout.padded_numel == layout.numel else \
+            add_call(graph, aten.slice.Tensor, (done, 0, 0, layout.numel), like=like, phase=phase)
+        fulls.append(add_call(graph, aten.view.default, (flat, list(layout.shape)), like=like, phase=phase))
+    return fulls
+
+
 def gathered_rows(graph: fx.Graph, pending: fx.Node, layouts: list[ParamLayout], like: fx.Node,
                   phase: Phase | None = None) -> list[fx.Node]:
     """Wait for an all-gather and return, per parameter, its [N, s] (strided) slice of the gathered matrix."""

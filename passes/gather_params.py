@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from zerofx.passes.bucketing import Bucket, plan_buckets
+from zerofx.passes.bucketing import Bucket, plan_sharded
 from zerofx.passes.context import PassContext
-from zerofx.passes.flat_collectives import all_gather_bucket, categorize, gathered_rows
+from zerofx.passes.flat_collectives import all_gather_params, gathered_params
 from zerofx.passes.graph_edit import add_call
 from zerofx.sharding import ParamLayout
 from zerofx.step_graph import Phase, StepGraph, aliases_first_arg, tag
@@ -25,14 +25,18 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Expects: stage 3 after ``shard_optimizer_state`` (parameter placeholders are this rank's shards; forward and
     backward still read them as if full).
 
-    Guarantees: parameters are grouped by first use in forward into buckets of at most ``ctx.bucket_bytes`` (gathered
-    size). Each micro-batch gathers for itself. Before forward's first use of bucket i its all-gather is waited on and each parameter copied out of the
-    gathered buffer, which then dies; the all-gather itself is issued ``ctx.prefetch`` buckets earlier (just before
-    the first use of bucket i - prefetch), so at most prefetch + 1 gathered buckets are in flight. Every forward reader
-    reads the gathered copy, which dies after its last forward use. With ``ctx.reshard_after_forward`` (default)
-    backward gathers again the same way, in backward's order of first use, and recomputes the views forward took of a
-    parameter (``t(w)``) from the new copy; without it backward reads forward's copies, kept alive between the two.
-    The optimizer keeps updating the shard. Leaves ``ctx.artifacts["gather_buckets"]``.
+    Guarantees: parameters are grouped by first use in forward into the model's units (``ctx.units``, capped at
+    ``ctx.unit_cap_bytes``) or, given ``bucket_bytes``, into buckets of at most that (gathered size). Each micro-batch
+    gathers for itself. A bucket's all-gather gives each parameter a buffer of its own, which forward reads in place
+    (a view: nothing is copied out) and which dies after the parameter's last forward use; it is issued
+    ``ctx.prefetch`` buckets ahead (just before the first use of bucket i - prefetch) and waited on just before the
+    bucket's first use, so gathered bytes alive are those of at most prefetch + 1 buckets, less what already died.
+    A parameter read again after other buckets were gathered (a tied embedding and head) is gathered again for that
+    read rather than kept alive in between. With ``ctx.reshard_after_forward`` (default) backward gathers again the
+    same way, in backward's order of first use and only what backward reads (not biases), and recomputes the views
+    forward took of a parameter (``t(w)``) from the new copy; without it backward reads forward's copies, kept alive
+    between the two. The optimizer keeps updating the shard. Leaves ``ctx.artifacts["gather_buckets"]`` (the units)
+    and ``ctx.artifacts["gathers"]`` (phase, bucket) for each all-gather issued in the first micro-batch.
     """
     graph = gm.graph
     sg = StepGraph(gm)
@@ -43,47 +47,65 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     all_forward = {f: _uses(sg, [p], Phase.FORWARD) for f, p in shards.items()}  # before any node is added
     all_backward = {f: _uses(sg, [p, *derived[f]], Phase.BACKWARD) for f, p in shards.items()}
     used = sorted((f for f in shards if all_forward[f]), key=lambda f: sg.order[all_forward[f][0]])
-    buckets = plan_buckets([(f, layouts[f].padded_numel, layouts[f].dtype) for f in used], ctx.bucket_bytes)
+    buckets = plan_sharded(ctx, [(f, layouts[f].padded_numel, layouts[f].dtype) for f in used])
+    gathers: list[tuple[Phase, Bucket]] = []
     for mb in range(sg.num_microbatches()):  # each micro-batch gathers for itself, as the paper's 3M counts
         forward_uses = {f: [u for u in all_forward[f] if tag(u).microbatch == mb] for f in shards}
         backward_uses = {f: [u for u in all_backward[f] if tag(u).microbatch == mb] for f in shards}
-        present = [b for b in buckets if any(forward_uses[f] for f in b.names)]
-        forward_anchors = [min((forward_uses[f][0] for f in b.names if forward_uses[f]), key=sg.order.__getitem__)
-                           for b in present]
-        forward_copies = _insert_gathers(graph, ctx, layouts, shards, present, forward_anchors, Phase.FORWARD)
-        for f, full in forward_copies.items():
-            for user in forward_uses[f]:
-                user.replace_input_with(shards[f], full)
-        if ctx.reshard_after_forward:
-            anchors = _backward_anchors(sg, present, backward_uses, mb)
-            order = sorted(range(len(present)), key=lambda i: sg.order[anchors[i]])
-            backward_copies = _insert_gathers(graph, ctx, layouts, shards, [present[i] for i in order],
-                                              [anchors[i] for i in order], Phase.BACKWARD)
-            for f, full in backward_copies.items():
-                _rewire_backward(graph, (shards[f], forward_copies[f]), full, derived[f], backward_uses[f])
-        else:
-            for f, full in forward_copies.items():
-                for user in backward_uses[f]:
+        forward = _segments(sg, buckets, forward_uses)
+        forward_copies = _insert_gathers(graph, ctx, layouts, shards, forward, Phase.FORWARD)
+        for (_, _, uses), copies in zip(forward, forward_copies):
+            for f, full in copies.items():
+                for user in uses[f]:
                     user.replace_input_with(shards[f], full)
+        sources = {f: (shards[f], *(c[f] for c in forward_copies if f in c)) for f in shards}
+        if ctx.reshard_after_forward:
+            backward = _segments(sg, buckets, backward_uses)
+            backward_copies = _insert_gathers(graph, ctx, layouts, shards, backward, Phase.BACKWARD)
+            for (_, _, uses), copies in zip(backward, backward_copies):
+                for f, full in copies.items():
+                    _rewire_backward(graph, sources[f], full, derived[f], uses[f])
+        else:
+            for f in shards:
+                kept = next((c[f] for c in reversed(forward_copies) if f in c), None)
+                for user in backward_uses[f]:
+                    user.replace_input_with(shards[f], kept)
+        if mb == 0:
+            gathers = [(Phase.FORWARD, b) for b, _, _ in forward]
+            gathers += [(Phase.BACKWARD, b) for b, _, _ in backward] if ctx.reshard_after_forward else []
     ctx.artifacts["gather_buckets"] = buckets
+    ctx.artifacts["gathers"] = gathers
     gm.recompile()
     return gm
 
 
-def _backward_anchors(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node]],
-                      microbatch: int) -> list[fx.Node]:
-    """Where backward needs each bucket: its first backward use. As in the paper, every bucket is gathered again,
-    also one whose parameters backward never reads (biases): it goes with the bucket forward used before it."""
-    end = sg.phase_span(Phase.BACKWARD, microbatch)[1]
-    anchors: list[fx.Node] = []
-    for b in buckets:
-        firsts = [uses[f][0] for f in b.names if uses[f]]
-        anchors.append(min(firsts, key=sg.order.__getitem__) if firsts else None)
-    for i, anchor in enumerate(anchors):
-        if anchor is None:
-            earlier = [a for a in anchors[:i] if a is not None]
-            anchors[i] = earlier[-1] if earlier else end
-    return anchors
+_Segment = tuple  # (bucket, anchor, fqn -> the uses it serves)
+
+
+def _segments(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node]]) -> list[_Segment]:
+    """Where each bucket is gathered, in order: before its first use, for its parameters this phase reads (backward
+    does not read biases, nor an embedding's weight). A parameter read again after another bucket's first use (a tied
+    embedding and head) is gathered again there, with the rest of its bucket read there, instead of staying gathered
+    across the buckets between: that costs its elements again in traffic and saves its bytes in memory."""
+    order = sg.order.__getitem__
+    pending = [(b, {f: uses[f] for f in b.names if uses[f]}) for b in buckets]
+    segments: list[_Segment] = []
+    while pending := [(b, u) for b, u in pending if u]:
+        pending.sort(key=lambda bu: min(order(xs[0]) for xs in bu[1].values()))
+        bucket, bucket_uses = pending.pop(0)
+        anchor = min((xs[0] for xs in bucket_uses.values()), key=order)
+        end = min((order(xs[0]) for _, u in pending for xs in u.values()), default=len(sg.order))
+        now = {f: [x for x in xs if order(x) < end] for f, xs in bucket_uses.items()}
+        later = {f: [x for x in xs if order(x) >= end] for f, xs in bucket_uses.items()}
+        segments.append((_subset(bucket, now, bucket.reason), anchor, {f: xs for f, xs in now.items() if xs}))
+        if any(later.values()):
+            pending.append((_subset(bucket, later, "read again later"), {f: xs for f, xs in later.items() if xs}))
+    return segments
+
+
+def _subset(bucket: Bucket, uses: dict[str, list[fx.Node]], reason: str) -> Bucket:
+    kept = [(f, n) for f, n in zip(bucket.names, bucket.numels) if uses.get(f)]
+    return Bucket(bucket.dtype, [f for f, _ in kept], [n for _, n in kept], bucket.unit, reason)
 
 
 def _param_only_closure(param: fx.Node) -> list[fx.Node]:
@@ -109,36 +131,21 @@ def _uses(sg: StepGraph, sources: list[fx.Node], phase: Phase) -> list[fx.Node]:
 
 
 def _insert_gathers(graph: fx.Graph, ctx: PassContext, layouts: dict[str, ParamLayout], shards: dict[str, fx.Node],
-                    buckets: list[Bucket], anchors: list[fx.Node], phase: Phase) -> dict[str, fx.Node]:
-    """All-gather ``buckets`` (in the order given) before their ``anchors``, each issued ``ctx.prefetch`` buckets
-    ahead; returns fqn -> full-parameter node."""
+                    segments: list[_Segment], phase: Phase) -> list[dict[str, fx.Node]]:
+    """All-gather each segment's bucket (in the order given) before its anchor, issued ``ctx.prefetch`` segments
+    ahead; per segment, fqn -> full-parameter node, a view of that parameter's own gathered buffer."""
     issued: dict[int, fx.Node] = {}
-    fulls: dict[str, fx.Node] = {}
-    for i, bucket in enumerate(buckets):
-        with graph.inserting_before(anchors[i]):
-            for j in range(i, min(i + ctx.prefetch + 1, len(buckets))):
+    copies: list[dict[str, fx.Node]] = []
+    for i, (bucket, anchor, _) in enumerate(segments):
+        with graph.inserting_before(anchor):
+            for j in range(i, min(i + ctx.prefetch + 1, len(segments))):
                 if j not in issued:
-                    names = buckets[j].names
-                    issued[j] = all_gather_bucket(graph, [shards[f] for f in names], [layouts[f] for f in names],
-                                                  ctx, like=anchors[i], phase=phase)
-            fulls.update(_copy_out(graph, issued[i], bucket, layouts, anchors[i], phase))
-    return fulls
-
-
-def _copy_out(graph: fx.Graph, pending: fx.Node, bucket: Bucket, layouts: dict[str, ParamLayout], like: fx.Node,
-              phase: Phase) -> dict[str, fx.Node]:
-    """Each parameter of the bucket as its own full tensor; the gathered buffer is dead after this."""
-    bucket_layouts = [layouts[f] for f in bucket.names]
-    rows = gathered_rows(graph, pending, bucket_layouts, like, phase)
-    fulls = {}
-    for f, row, layout in zip(bucket.names, rows, bucket_layouts):
-        dense = categorize(add_call(graph, aten.clone.default, (row,), like=like, phase=phase,
-                                    kwargs={"memory_format": torch.contiguous_format}), "gathered_param")
-        flat = add_call(graph, aten.view.default, (dense, [-1]), like=like, phase=phase)
-        if layout.padded_numel > layout.numel:
-            flat = add_call(graph, aten.slice.Tensor, (flat, 0, 0, layout.numel), like=like, phase=phase)
-        fulls[f] = add_call(graph, aten.view.default, (flat, list(layout.shape)), like=like, phase=phase)
-    return fulls
+                    names = segments[j][0].names
+                    issued[j] = all_gather_params(graph, [shards[f] for f in names], [layouts[f] for f in names],
+                                                  ctx, like=anchor, phase=phase)
+            views = gathered_params(graph, issued[i], [layouts[f] for f in bucket.names], anchor, phase)
+        copies.append(dict(zip(bucket.names, views)))
+    return copies
 
 
 def _rewire_backward(graph: fx.Graph, sources: tuple[fx.Node, ...], full: fx.Node, derived: list[fx.Node],

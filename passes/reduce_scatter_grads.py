@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from zerofx.passes.bucketing import plan_buckets
+from zerofx.passes.bucketing import plan_buckets, plan_sharded
 from zerofx.passes.context import PassContext
 from zerofx.passes.flat_collectives import cast, categorize, reduce_scatter_bucket, wait_and_split
 from zerofx.passes.graph_edit import SHARD, add_call, first_user_after
@@ -19,8 +19,9 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     """Expects: ``ctx.artifacts["layouts"]`` from ``shard_optimizer_state``; GRAD-tagged gradient nodes per
     micro-batch (backward accumulating into ``.grad`` with ``add_`` from the second micro-batch on).
 
-    Guarantees: gradients are grouped, in the order backward produces them, into buckets whose padded size is at most
-    ``ctx.bucket_bytes`` (one parameter larger than that travels alone). Each bucket is packed rank-major, divided by
+    Guarantees: gradients are grouped, in the order backward produces them, at stages 2-3 into the model's units
+    (as ``gather_params`` groups parameters), at stage 1 (or given ``bucket_bytes``) into buckets whose padded size is
+    at most ``ctx.bucket_bytes`` (one parameter larger than that travels alone). Each bucket is packed rank-major, divided by
     N and reduce-scattered:
     - stage 1 (P_os): once, after the last backward, so full gradients live (and accumulate) until then, as the
       paper's stage 1 keeps them;
@@ -74,7 +75,8 @@ def _reduce_scatter_round(graph: fx.Graph, sg: StepGraph, ctx: PassContext, layo
     """Reduce-scatter ``parts`` bucket by bucket as ``grads`` become ready; fqn -> this rank's shard."""
     ready = sorted(grads, key=lambda f: sg.order[grads[f]])
     dtype_of = {f: ctx.reduce_dtype or layouts[f].dtype for f in ready}
-    buckets = plan_buckets([(f, layouts[f].padded_numel, dtype_of[f]) for f in ready], ctx.bucket_bytes)
+    items = [(f, layouts[f].padded_numel, dtype_of[f]) for f in ready]
+    buckets = plan_sharded(ctx, items) if ctx.stage >= 2 else plan_buckets(items, ctx.bucket_bytes)
     ctx.artifacts["grad_buckets"] = buckets
     end_of_backward = sg.phase_span(Phase.BACKWARD)[1]
     phase = Phase.BACKWARD if ctx.stage >= 2 else Phase.OPTIMIZER

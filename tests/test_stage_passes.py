@@ -48,25 +48,33 @@ def test_stage3_gathered_buckets_live_only_from_prefetch_to_last_use(prefetch):
     gm, ctx = _compiled(3, prefetch=prefetch)
     sg = StepGraph(gm)
     for phase in (Phase.FORWARD, Phase.BACKWARD):
-        gathers = [n for n in _calls(gm, collectives.all_gather) if tag(n).phase == phase]
-        waits = [next(u for u in g.users if u.target is collectives.wait) for g in gathers]
-        # the bucket's copies: what waits feed, through views and clones, until real compute reads them
+        gathers = [n for n in _calls(gm, collectives.all_gather_coalesced) if tag(n).phase == phase]
+        # each parameter's gathered buffer: its wait, then views of it, until real compute reads them
+        waits = [[next(iter(item.users)) for item in g.users] for g in gathers]
         first_reads = []
-        for i, (g, w) in enumerate(zip(gathers, waits)):
-            copies = _copies_of(w)
+        for i, (g, ws) in enumerate(zip(gathers, waits)):
+            assert all(w.target is collectives.wait for w in ws)
+            copies = set().union(*(_copies_of(w) for w in ws)) | set(ws)
             readers = [u for c in copies for u in c.users if u not in copies]
             if not readers:  # backward gathers every bucket, as the paper counts, even one it never reads (biases)
                 assert phase == Phase.BACKWARD
                 readers = [max(copies, key=sg.order.__getitem__)]
             first_reads.append(min(sg.order[u] for u in readers))
             assert all(tag(u).phase == phase for u in readers)  # dead after its last use in this phase
-            assert sg.order[g] < sg.order[w] < first_reads[-1]
+            for w in ws:  # each parameter waited on after the gather is issued, before anything reads it
+                own = _copies_of(w) | {w}
+                own_readers = [u for c in own for u in c.users if u not in own]
+                assert sg.order[g] < sg.order[w] < min((sg.order[u] for u in own_readers), default=len(sg.order))
+            assert not [c for c in copies if c.target is torch.ops.aten.clone.default]  # read in place, not copied
         for i, g in enumerate(gathers):  # issued no earlier than `prefetch` buckets ahead of its first use
             earliest = first_reads[max(0, i - prefetch)]
             previous = first_reads[i - prefetch - 1] if i - prefetch - 1 >= 0 else -1
             assert previous < sg.order[g] <= earliest
-    assert len(ctx.artifacts["gather_buckets"]) == len(
-        [n for n in _calls(gm, collectives.all_gather) if tag(n).phase == Phase.FORWARD])
+    forward = [b for phase, b in ctx.artifacts["gathers"] if phase == Phase.FORWARD]
+    assert len(forward) == len([n for n in _calls(gm, collectives.all_gather_coalesced) if tag(n).phase == Phase.FORWARD])
+    # every bucket once, and the tied embedding again for the head rather than kept gathered across the blocks
+    assert len(forward) == len(ctx.artifacts["gather_buckets"]) + 1
+    assert (forward[-1].names, forward[-1].reason) == (["wte.weight"], "read again later")
 
 
 _COPY_OUT = (torch.ops.aten.view.default, torch.ops.aten.slice.Tensor, torch.ops.aten.clone.default)
@@ -110,7 +118,7 @@ def test_bucket_buffers_keep_their_size_when_the_model_grows_four_times():
     sizes = {}
     for name, cfg in (("small", small), ("big", big)):
         gm, ctx = _compiled(3, cfg=cfg, bucket_bytes=bucket_bytes)
-        gathered = [n.meta["val"].numel() * 4 for n in _calls(gm, collectives.all_gather)]
+        gathered = [sum(v.numel() for v in n.meta["val"]) * 4 for n in _calls(gm, collectives.all_gather_coalesced)]
         scattered = [n.args[0].meta["val"].numel() * 4 for n in _calls(gm, collectives.reduce_scatter)]
         sizes[name] = (gathered, scattered, sum(p.numel() for p in gpt_and_adamw(cfg=cfg)[0].parameters()))
     largest_param = 65 * 32 * 4

@@ -23,14 +23,17 @@ from zerofx.sharded_state import ShardedState
 from zerofx.sharding import ParamLayout
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, measure
+from zerofx.units import UnitRule, unit_of_params
 
 log = logging.getLogger("zerofx")
+
+UNSHARDED_BUCKET_BYTES = 25 * 2**20  # DDP's bucket size, for collectives that free nothing (all-reduce, stage 1-2)
 
 
 @dataclass(frozen=True)
 class Config:
     stage: int = 0
-    bucket_bytes: int = 25 * 2**20
+    bucket_bytes: int | None = None  # None: units from the model's blocks; an int: buckets of that size everywhere
     prefetch: int = 1  # stage 3: all-gathers issued this many buckets ahead of their first use
     reshard_after_forward: bool = True  # stage 3: free gathered parameters after forward, gather again in backward
     dump_dir: str | None = None
@@ -38,22 +41,26 @@ class Config:
     track_memory: bool = False  # run node by node and measure peak and gradient bytes (slower)
     mixed_precision: MixedPrecision | None = None
     max_traces: int = 8  # graphs kept, one per guard key; beyond it the least recently used is evicted
+    units: UnitRule = "blocks"  # what a communication unit is (zerofx.units), unless bucket_bytes is given
+    unit_cap_bytes: int = 64 * 2**20  # no unit is larger (C_B)
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        if self.bucket_bytes <= 0:
+        if self.bucket_bytes is not None and self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.unit_cap_bytes <= 0:
+            raise ValueError(f"unit_cap_bytes must be positive, got {self.unit_cap_bytes}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
         if not isinstance(self.max_traces, int) or self.max_traces < 1:
             raise ValueError(f"max_traces must be a positive int, got {self.max_traces!r}")
 
 
-def compile(train_step=None, *, stage: int = 0, bucket_bytes: int = 25 * 2**20, prefetch: int = 1,
+def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None, prefetch: int = 1,
             reshard_after_forward: bool = True, mixed_precision: MixedPrecision | None = None,
             dump_dir: str | None = None, verify_ranks: bool = True, track_memory: bool = False,
-            max_traces: int = 8):
+            max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = 64 * 2**20):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
@@ -61,10 +68,13 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int = 25 * 2**20, 
     ``mixed_precision=zerofx.MixedPrecision(param_dtype=torch.bfloat16)`` computes and communicates in bf16 with
     fp32 master weights. ``dump_dir`` (or the environment variable ``ZEROFX_DUMP``) writes the graph after capture
     and after each pass. At most ``max_traces`` graphs are kept (one per guard key, least recently used evicted).
+    Stage 3 gathers parameters, and stages 2-3 reduce-scatter gradients, by the model's ``units`` (each repeated block
+    by default; module classes or a predicate ``(path, module) -> bool`` otherwise; at most ``unit_cap_bytes``);
+    ``bucket_bytes=N`` instead groups every collective into buckets of at most N bytes.
     """
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
                     dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision,
-                    max_traces)
+                    max_traces, units, unit_cap_bytes)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -195,8 +205,10 @@ class CompiledStep:
             dump_dir = None  # the graph is the same on every rank: rank 0 writes it
         c = self.config
         reduce_dtype = c.mixed_precision.reduce_dtype if c.mixed_precision else None
-        ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes, c.prefetch, c.reshard_after_forward,
-                          reduce_dtype)
+        units = None if c.bucket_bytes is not None else unit_of_params(
+            binding.modules(args), binding.module_prefixes, binding.param_aliases, c.units)
+        ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes or UNSHARDED_BUCKET_BYTES, c.prefetch,
+                          c.reshard_after_forward, reduce_dtype, units, c.unit_cap_bytes)
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
                                  probe_grads=not self._reads_incoming_grads)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:

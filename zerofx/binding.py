@@ -66,6 +66,11 @@ class StepBinding:
         """id(parameter) -> its fqn."""
         return {id(p): fqn for fqn, p in self.params.items()}
 
+    @property
+    def module_prefixes(self) -> list[str]:
+        """The prefix of each module argument's parameter names ("" when the step takes one module)."""
+        return ["" if len(self.module_positions) == 1 else f"arg{pos}." for pos in self.module_positions]
+
     def modules(self, args: tuple) -> list[nn.Module]:
         return [args[i] for i in self.module_positions]
 

@@ -91,6 +91,15 @@ def all_gather(tensor: torch.Tensor, group: str, group_size: int) -> torch.Tenso
     return _c10d.all_gather_into_tensor(tensor, group_size, group)
 
 
+def all_gather_coalesced(tensors: list[torch.Tensor], group: str, group_size: int) -> list[torch.Tensor]:
+    """Asynchronous, one collective: output i holds every rank's ``tensors[i]``, rank-major, in a buffer of its own,
+    so each can be viewed in place and freed on its own (no packing into one buffer, no copying out)."""
+    if group_size == 1:
+        return list(tensors)
+    _record("all_gather", tensors[0], sum(t.numel() for t in tensors) * group_size, group_size)
+    return list(_c10d.all_gather_into_tensor_coalesced(tensors, group_size, group))
+
+
 def reduce_scatter(tensor: torch.Tensor, op: str, group: str, group_size: int) -> torch.Tensor:
     """Asynchronous: rank r receives the reduction of every rank's r-th chunk. ``op="avg"`` divides ``tensor`` (in
     place) first, as `all_reduce` does."""
@@ -108,9 +117,10 @@ def _average_first(tensor: torch.Tensor, op: str, group_size: int) -> str:
     return op
 
 
-def wait(tensor: torch.Tensor, sent: torch.Tensor | None = None) -> torch.Tensor:
-    """The collective's result, complete. ``sent`` is the collective's input: the graph passes it here so the
-    buffer stays referenced until the collective is done with it, whatever the backend keeps alive itself."""
+def wait(tensor: torch.Tensor, sent=None) -> torch.Tensor:
+    """The collective's result, complete. ``sent`` is the collective's input (a tensor or a list of them): the graph
+    passes it here so the buffer stays referenced until the collective is done with it, whatever the backend keeps
+    alive itself."""
     return _c10d.wait_tensor(tensor) if dist.is_initialized() else tensor
 
 
@@ -129,4 +139,4 @@ def broadcast_control(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGro
     dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group)
 
 
-COLLECTIVES = (all_reduce, all_reduce_scalar, broadcast, all_gather, reduce_scatter)
+COLLECTIVES = (all_reduce, all_reduce_scalar, broadcast, all_gather, all_gather_coalesced, reduce_scatter)

@@ -24,18 +24,23 @@ def summary(gm: fx.GraphModule) -> list[str]:
     phases = Counter(n.meta[TAG].phase.value for n in gm.graph.nodes if TAG in n.meta and n.op == "call_function")
     lines = [f"nodes: {len(gm.graph.nodes)} ({', '.join(f'{k} {v}' for k, v in sorted(phases.items()))})"]
     colls = collective_nodes(gm)
-    total = sum(full_buffer(n).numel() * full_buffer(n).dtype.itemsize for n in colls)
+    total = sum(numel * dtype.itemsize for numel, dtype in map(full_buffer, colls))
     lines.append(f"collectives: {len(colls)} ({total} bytes)")
     for n in colls:
-        val = full_buffer(n)
-        lines.append(f"  {n.name}: {n.target.__name__} {val.numel()} x {val.dtype} "
-                     f"({val.numel() * val.dtype.itemsize} bytes, {n.meta[TAG].phase.value})")
+        numel, dtype = full_buffer(n)
+        lines.append(f"  {n.name}: {n.target.__name__} {numel} x {dtype} "
+                     f"({numel * dtype.itemsize} bytes, {n.meta[TAG].phase.value})")
     return lines
 
 
-def full_buffer(node: fx.Node):
-    """The collective's full buffer, as records count it: the gathered output, or the reduced input."""
-    return node.meta["val"] if node.target is collectives.all_gather else node.args[0].meta["val"]
+def full_buffer(node: fx.Node) -> tuple[int, object]:
+    """Elements and dtype of the collective's full buffer, as records count them: the gathered output(s), or the
+    reduced input."""
+    if node.target is collectives.all_gather_coalesced:
+        vals = node.meta["val"]
+        return sum(v.numel() for v in vals), vals[0].dtype
+    val = node.meta["val"] if node.target is collectives.all_gather else node.args[0].meta["val"]
+    return val.numel(), val.dtype
 
 
 def render(gm: fx.GraphModule, title: str) -> str:
