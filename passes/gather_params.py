@@ -98,8 +98,9 @@ def _segments(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node
         now = {f: [x for x in xs if order(x) < end] for f, xs in bucket_uses.items()}
         later = {f: [x for x in xs if order(x) >= end] for f, xs in bucket_uses.items()}
         segments.append((_subset(bucket, now, bucket.reason), anchor, {f: xs for f, xs in now.items() if xs}))
-        if any(later.values()):
-            pending.append((_subset(bucket, later, "read again later"), {f: xs for f, xs in later.items() if xs}))
+        again = {f: xs for f, xs in later.items() if xs and now[f]}  # gathered now and needed again later
+        first = {f: xs for f, xs in later.items() if xs and not now[f]}  # only read later: split off, not repeated
+        pending += [(_subset(bucket, again, "read again later"), again), (_subset(bucket, first, bucket.reason), first)]
     return segments
 
 

@@ -52,7 +52,8 @@ def parity_with_ddp(rank, world_size, stage, steps=10, bucket_bytes=8 * 1024, re
             "dispatched": [(r.kind, r.numel, r.group_size) for r in comm.records],
             "comm_volume": step.stats().comm_volume, "num_params": step.stats().num_params,
             "formula_comm": step.stats().formula.evaluate(step.stats().formula.comm, step.stats().num_params,
-                                                          world_size)}
+                                                          world_size),
+            "comm_vs_formula": step.stats().comm_vs_formula}
 
 
 def _ddp_accumulating(ddp):
@@ -96,7 +97,8 @@ def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshar
         "peak_bytes": stats.peak_bytes,
         "at_peak": step._last_probe.at_peak,
         "high_water": step._last_probe.high_water,
-        "high_water": step._last_probe.high_water,
+        "comm_vs_formula": stats.comm_vs_formula,
+        "formula_comm": stats.formula.evaluate(stats.formula.comm, stats.num_params, world_size),
         "gather_bucket_bytes": [b.nbytes for b in step._last.ctx.artifacts.get("gather_buckets", [])],
         "comm_volume": stats.comm_volume,
         "records": [(r.kind, r.numel, r.purpose) for r in stats.collectives],

@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 
 def test_every_system_runs_and_the_losses_agree(tiny):
     _, run, by_name = tiny
-    assert set(by_name) == {(f"zerofx-{s}", "fp32") for s in range(4)} | {
+    assert set(by_name) == {(f"zerofx-{s}", "fp32") for s in range(4)} | {("zerofx-3 tuned buckets", "fp32"),
         ("DDP", "fp32"), ("FSDP2 reshard", "fp32"), ("FSDP2 no-reshard", "fp32")}
     assert run["skipped"] == {}
     assert losses_agree(run["results"]) == {"fp32": True}
@@ -37,10 +37,16 @@ def test_traffic_is_the_stage_s_by_ring_accounting(tiny):
     def in_psi(name, precision="fp32"):
         return by_name[(name, precision)]["comm_elements"] / (psi * (n - 1) / n)
 
-    for stage, moved in ((0, 2), (1, 2), (2, 2), (3, 3)):
-        # the stage's multiple of Ψ and the rank check, one 8-byte value from each rank all-gathered (n elements,
-        # n - 1 sent); nothing is padded, as every parameter of the tiny GPT has an even number of elements
-        assert by_name[(f"zerofx-{stage}", "fp32")]["comm_elements"] == moved * psi * (n - 1) / n + (n - 1)
+    for stage in (0, 1, 2):
+        # the paper's 2Ψ and the rank check, one 8-byte value from each rank all-gathered (n elements, n - 1 sent);
+        # nothing is padded, as every parameter of the tiny GPT has an even number of elements
+        assert by_name[(f"zerofx-{stage}", "fp32")]["comm_elements"] == 2 * psi * (n - 1) / n + (n - 1)
+    for name in ("zerofx-3", "zerofx-3 tuned buckets"):
+        # 3Ψ less what backward does not read (biases, the position embedding), plus the tied embedding gathered
+        # again for the head: 65 x 32 elements; the biases and wpe come to 2 x 352 + 64 + 16 x 32 = 1,280
+        regathered, unread = 65 * 32, 2 * (96 + 32 + 32 + 32 + 128 + 32) + 64 + 16 * 32
+        expected = (3 * psi + regathered - unread) * (n - 1) / n + (n - 1)
+        assert by_name[(name, "fp32")]["comm_elements"] == expected, name
     assert in_psi("DDP") == pytest.approx(2, abs=1e-9)
     assert in_psi("FSDP2 reshard") == pytest.approx(3, abs=5e-3)
     assert in_psi("FSDP2 no-reshard") == pytest.approx(2, abs=5e-3)
@@ -63,7 +69,7 @@ def test_model_states_are_what_each_system_keeps(tiny):
 def test_the_table_and_chart_are_written(tiny):
     path, _, by_name = tiny
     text = open(path).read()
-    assert text.count("| zerofx-") == 4 and "Final losses agree: fp32 yes" in text
+    assert text.count("| zerofx-") == 5 and "Final losses agree: fp32 yes" in text
     assert "compare_peers.py --size tiny" in text
     chart = path.replace(".md", ".png")
     if importlib.util.find_spec("matplotlib"):

@@ -29,6 +29,9 @@ class StepStats:
     peak_bytes: int | None = None
     formula: formulas.Formula | None = None
     traces: int = 0  # graphs captured so far (one per guard key; a key seen again after eviction traces again)
+    # what the communication differs from the formula by: (what, elements sent per rank), summing to the difference
+    comm_vs_formula: list[tuple[str, float]] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)  # each communication unit: path or parameters, bytes, why cut
 
     @property
     def comm_volume_psi(self) -> float:
@@ -86,6 +89,42 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
                                k_optimizer=_k_optimizer(binding, args, owned) + (4 if mixed else 0),
                                reshard_after_forward=config.reshard_after_forward,
                                micro_batches=StepGraph(compiled.gm).num_microbatches())
+    micro = StepGraph(compiled.gm).num_microbatches()
     return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),
                      ring_volume([r for r in records if r.purpose == "data"]), state,
-                     probe.peak_bytes if probe else None, formula, traces)
+                     probe.peak_bytes if probe else None, formula, traces,
+                     _comm_vs_formula(compiled.ctx, owned, formula, micro), _describe_units(compiled.ctx))
+
+
+def _comm_vs_formula(ctx, owned, formula: formulas.Formula, micro: int) -> list[tuple[str, float]]:
+    """The formula counts Ψ elements per gather or reduction; the step moves padded parameters, and at stage 3 only
+    what each phase reads, some parameters twice (a tied embedding read again at the head)."""
+    if ctx.world_size == 1 or owned is None or owned.stage == 0:
+        return []
+    layouts = owned.layouts
+    share = (ctx.world_size - 1) / ctx.world_size
+    multiple = formula.evaluate(formula.comm, 1, ctx.world_size) / share  # 2, M+1, 3M or 2M
+    padding = sum(l.padded_numel - l.numel for l in layouts.values())
+    items = [("padding to a multiple of N_d", padding * multiple * share)] if padding else []
+    gathers = ctx.artifacts.get("gathers", [])
+    for phase in sorted({p for p, _ in gathers}, key=lambda p: p.value, reverse=True):
+        buckets = [b for p, b in gathers if p == phase]
+        gathered = {f for b in buckets for f in b.names}
+        unread = [f for f in layouts if f not in gathered]
+        if unread:
+            items.append((f"not gathered in {phase.value}, which does not read them: {_names(unread)}",
+                          -sum(layouts[f].padded_numel for f in unread) * micro * share))
+        for b in buckets:
+            if b.reason == "read again later":
+                items.append((f"gathered again in {phase.value} for a later read: {_names(b.names)}",
+                              sum(layouts[f].padded_numel for f in b.names) * micro * share))
+    return items
+
+
+def _describe_units(ctx) -> list[str]:
+    buckets = ctx.artifacts.get("gather_buckets") or ctx.artifacts.get("grad_buckets") or []
+    return [f"{b.unit or _names(b.names)}: {b.nbytes:,} bytes ({b.reason})" for b in buckets]
+
+
+def _names(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")

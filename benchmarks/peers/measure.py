@@ -50,6 +50,7 @@ _SIZES = {
     _funcol.all_reduce: ("all_reduce", lambda a: _numel(a[0]), lambda a: _group_size(a[2])),
     _funcol.broadcast: ("broadcast", lambda a: _numel(a[0]), lambda a: _group_size(a[2])),
     _funcol.all_gather_into_tensor: ("all_gather", lambda a: _numel(a[0]) * a[1], lambda a: a[1]),
+    _funcol.all_gather_into_tensor_coalesced: ("all_gather", lambda a: _numel(a[0]) * a[1], lambda a: a[1]),
     _funcol.reduce_scatter_tensor: ("reduce_scatter", lambda a: _numel(a[0]), lambda a: a[2]),
 }
 

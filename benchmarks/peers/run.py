@@ -76,10 +76,11 @@ def _builders(s: Settings) -> list:
         bf16 = precision == "bf16"
         for stage in range(4):
             out.append((f"zerofx-{stage}", precision,
-                        lambda stage=stage, bf16=bf16: systems.zerofx_system(
-                            s.cfg, stage, bf16, s.bucket_elements * (2 if bf16 else 4))))
+                        lambda stage=stage, bf16=bf16: systems.zerofx_system(s.cfg, stage, bf16)))
+        out.append(("zerofx-3 tuned buckets", precision, lambda bf16=bf16: systems.zerofx_system(
+            s.cfg, 3, bf16, s.bucket_elements * (2 if bf16 else 4))))
         if not bf16:
-            out.append(("DDP", precision, lambda: systems.ddp_system(s.cfg, s.bucket_elements * 4)))
+            out.append(("DDP", precision, lambda: systems.ddp_system(s.cfg)))
         for reshard in (True, False):
             out.append(("FSDP2 reshard" if reshard else "FSDP2 no-reshard", precision,
                         lambda bf16=bf16, reshard=reshard: systems.fsdp2_system(s.cfg, bf16, reshard)))

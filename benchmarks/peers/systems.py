@@ -38,23 +38,26 @@ def _train_step(model, optimizer, x, y):
     return loss
 
 
-def zerofx_system(cfg: GPTConfig, stage: int, bf16: bool, bucket_bytes: int,
+def zerofx_system(cfg: GPTConfig, stage: int, bf16: bool, bucket_bytes: int | None = None,
                   reshard_after_forward: bool = True) -> System:
+    """zerofx as its users run it (``bucket_bytes=None``: units from the model's blocks), or with buckets given."""
     model = _model(cfg)
     optimizer = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR)
     mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     compiled = zerofx.compile(_train_step, stage=stage, bucket_bytes=bucket_bytes, mixed_precision=mixed,
                               reshard_after_forward=reshard_after_forward)
-    name = f"zerofx-{stage}" + ("" if reshard_after_forward or stage < 3 else " no-reshard")
+    name = f"zerofx-{stage}" + ("" if reshard_after_forward or stage < 3 else " no-reshard") + \
+        ("" if bucket_bytes is None else " tuned buckets")
     return System(name, "bf16" if bf16 else "fp32", stage, lambda x, y: compiled(model, optimizer, x, y),
                   keep=[model, optimizer, compiled])
 
 
-def ddp_system(cfg: GPTConfig, bucket_bytes: int) -> System:
+def ddp_system(cfg: GPTConfig) -> System:
+    """DDP at its defaults (25 MiB buckets), as its users run it."""
     from torch.nn.parallel import DistributedDataParallel
 
     model = _model(cfg)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_bytes / 2**20)
+    ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR)
     return System("DDP", "fp32", 0, lambda x, y: _train_step(ddp, optimizer, x, y), keep=[ddp, optimizer])
 
