@@ -8,7 +8,9 @@ guarantees. Contents, in pipeline order:
 - ``broadcast_buffers``: rank 0's buffers broadcast before forward (DDP's default).
 - ``bucket_allreduce``: stage 0, bucketed gradient all-reduce as gradients become ready.
 - ``shard_optimizer_state``: stages 1-3, the optimizer updates this rank's shards (P_os).
-- ``gather_params``: stage 3, gather parameter buckets before forward and backward use them (P_p), with prefetch.
+- ``gather_params``: stage 3, gather parameter units before forward and backward read them (P_p), with prefetch.
+- ``cast_params_at_gather``: stage 3 under mixed precision, gather casts of the fp32 master shards; no low-precision
+  shard is kept.
 - ``reduce_scatter_grads``: stages 1-3, gradient shards by bucketed reduce-scatter (after backward at stage 1,
   as buckets become ready at stages 2-3: P_g).
 - ``global_grad_norm``: stages 1-3, a gradient norm over shards (clip_grad_norm_) made global by one scalar
@@ -25,6 +27,7 @@ Shared builders: ``bucketing`` (bucket plans of constant size), ``flat_collectiv
 from zerofx.passes.allgather_params import allgather_params
 from zerofx.passes.broadcast_buffers import broadcast_buffers
 from zerofx.passes.bucket_allreduce import bucket_allreduce
+from zerofx.passes.cast_params_at_gather import cast_params_at_gather
 from zerofx.passes.context import PassContext
 from zerofx.passes.pipeline import Pipeline, pipeline
 from zerofx.passes.gather_params import gather_params
@@ -36,5 +39,6 @@ from zerofx.passes.shard_optimizer_state import shard_optimizer_state
 from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 
 __all__ = ["PassContext", "Pipeline", "pipeline", "allgather_params", "broadcast_buffers", "bucket_allreduce",
+           "cast_params_at_gather",
            "gather_params", "global_grad_norm", "propagate_shard_shapes", "reduce_scatter_grads", "remove_profiler_ops",
            "shard_optimizer_state", "skip_nonfinite_update"]

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from zerofx.passes.broadcast_buffers import broadcast_buffers
 from zerofx.passes.bucket_allreduce import bucket_allreduce
+from zerofx.passes.cast_params_at_gather import cast_params_at_gather
 from zerofx.passes.context import PassContext
 from zerofx.passes.allgather_params import allgather_params
 from zerofx.passes.gather_params import gather_params
@@ -28,8 +29,8 @@ _STAGES: dict[int, tuple[Pass, ...]] = {
         allgather_params, propagate_shard_shapes),
     2: (remove_profiler_ops, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
         allgather_params, propagate_shard_shapes),
-    3: (remove_profiler_ops, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, gather_params, reduce_scatter_grads,
-        global_grad_norm, propagate_shard_shapes),
+    3: (remove_profiler_ops, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, gather_params,
+        cast_params_at_gather, reduce_scatter_grads, global_grad_norm, propagate_shard_shapes),
 }
 
 

@@ -121,8 +121,8 @@ def test_comm_volume_equals_the_formula_and_commdebugmode_agrees(accounting4, st
     else:  # 3Ψ less what backward does not read, plus the tied embedding gathered again for the head
         what = [w for w, _ in r["comm_vs_formula"]]
         assert what[0] == "padding to a multiple of N_d"
-        assert what[1].startswith("not gathered in backward, which does not read them: wpe.weight, ")
-        assert what[2] == "gathered again in forward for a later read: wte.weight"
+        assert what[1] == "gathered again in forward for a later read: wte.weight"
+        assert what[2].startswith("not gathered in backward, which does not read them: wpe.weight, ")
         assert len(what) == 3
         assert 2 * padded * (n - 1) / n < r["comm_volume"] < 3 * padded * (n - 1) / n
     data = [(k, numel) for k, numel, purpose in r["records"] if purpose == "data"]
@@ -164,7 +164,7 @@ def test_two_microbatches_match_ddp_accumulation(ranks2, stage):
     # at stage 3 each micro-batch also skips in backward what it does not read and gathers the tied head again
     differences = result["comm_vs_formula"]
     assert [w.split(":")[0] for w, _ in differences] == ([] if stage < 3 else [
-        "not gathered in backward, which does not read them", "gathered again in forward for a later read"])
+        "gathered again in forward for a later read", "not gathered in backward, which does not read them"])
     assert _dispatched_data_volume(result) == pytest.approx(result["formula_comm"] + sum(v for _, v in differences))
 
 

@@ -135,11 +135,15 @@ class CompiledStep:
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = runtime.world()
         key = guards.step_key(binding, args, self._owned_parts, bool(self._reads_incoming_grads))
-        if world_size > 1 and self.config.verify_ranks:
-            ranks.verify_same(guards.key_hash(key), "the step's inputs",
-                              lambda: guards.describe_change({}, key) if self._last_key is None
-                              else f"{guards.describe_change(self._last_key, key) or 'same as its last step'}")
         frozen = guards.freeze(key)
+        if world_size > 1 and self.config.verify_ranks:
+            settle = ranks.agree(guards.key_hash(key), "the step's inputs",
+                                 lambda: guards.describe_change({}, key) if self._last_key is None
+                                 else f"{guards.describe_change(self._last_key, key) or 'same as its last step'}")
+            if key == self._last_key and frozen in self._cache:
+                collectives.before_next_collective(settle)  # overlaps the step up to its first collective
+            else:
+                settle()
         compiled = self._cache.get(frozen)
         if compiled is None:
             compiled, key = self._build(binding, args, key, world_size, group_name)

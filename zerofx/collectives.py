@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,22 @@ class CollectiveRecord:
 
 class _Recording(threading.local):
     records: list[CollectiveRecord] | None = None
+    before_next: Callable[[], None] | None = None  # awaited just before the next collective is issued
 
 
 _recording = _Recording()
+
+
+def before_next_collective(callback: Callable[[], None] | None) -> None:
+    """Run ``callback`` just before the next collective issued here (rank agreement), once."""
+    _recording.before_next = callback
+
+
+def settle_pending() -> None:
+    """Run a callback no collective has run yet (a step that issued none)."""
+    callback, _recording.before_next = _recording.before_next, None
+    if callback is not None:
+        callback()
 
 
 @contextlib.contextmanager
@@ -50,6 +64,8 @@ def recording():
 
 
 def _record(kind: str, tensor: torch.Tensor, numel: int, group_size: int, purpose: str = "data") -> None:
+    if purpose != "control" and not isinstance(tensor, torch._subclasses.FakeTensor):
+        settle_pending()
     if _recording.records is not None and not isinstance(tensor, torch._subclasses.FakeTensor):
         _recording.records.append(CollectiveRecord(kind, numel, tensor.dtype, group_size, purpose))
 
@@ -124,13 +140,15 @@ def wait(tensor: torch.Tensor, sent=None) -> torch.Tensor:
     return _c10d.wait_tensor(tensor) if dist.is_initialized() else tensor
 
 
-def all_gather_control(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Gather one small tensor from every rank, synchronously (rank agreement, flags)."""
+def all_gather_control(value: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False):
+    """Gather one small tensor from every rank (rank agreement, flags): synchronously, or with ``async_op`` the
+    result and the work to wait on before reading it."""
     size = dist.get_world_size(group)
     out = torch.empty(size * value.numel(), dtype=value.dtype, device=value.device)
     _record("all_gather", value, out.numel(), size, purpose="control")
-    dist.all_gather_single(out, value.reshape(-1), group=group)
-    return out.view(size, *value.shape)
+    work = dist.all_gather_single(out, value.reshape(-1), group=group, async_op=async_op)
+    out = out.view(size, *value.shape)
+    return (out, work) if async_op else out
 
 
 def broadcast_control(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> None:

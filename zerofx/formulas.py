@@ -39,13 +39,18 @@ class Formula:
 
 
 def formula(stage: int, *, b_param: int = 4, b_grad: int = 4, k_optimizer: int = 8,
-            reshard_after_forward: bool = True, micro_batches: int = 1) -> Formula:
+            reshard_after_forward: bool = True, micro_batches: int = 1, casts_masters: bool = False) -> Formula:
     """Stage 0-3 formulas; the defaults are fp32 Adam (the fp32 parameters are the master weights).
+
+    ``casts_masters``: stage 3 under mixed precision, where zerofx (as FSDP2) keeps no low-precision shard and
+    gathers casts of the fp32 masters: the b_pΨ/N_d term is gone, (b_g + K)Ψ/N_d in all.
 
     Communication with M micro-batches per step: stages 0-1 reduce once (2Ψ); stage 2 reduce-scatters every
     micro-batch and gathers once ((M+1)Ψ); stage 3 gathers twice and reduce-scatters once per micro-batch (3MΨ;
     2MΨ without resharding)."""
     params, grads, optimizer = _CATEGORIES[stage]
+    if casts_masters and stage == 3:
+        params = sympy.Integer(0)
     moved = {0: 2, 1: 2, 2: M + 1, 3: (3 if reshard_after_forward else 2) * M}[stage]
     comm = moved * Psi * (N_d - 1) / N_d
     values = {b_p: b_param, b_g: b_grad, K: k_optimizer, M: micro_batches}

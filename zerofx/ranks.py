@@ -3,6 +3,11 @@
 Each step every rank contributes the hash of its guard key (batch shapes, modes, optimizer layout) to one small
 all-gather; before a graph first runs, the hash of its code too. On a mismatch every rank learns it from the same
 all-gather, exchanges a description, and raises `RankMismatchError` naming what differs on which rank.
+
+The per-step check is off the critical path: its all-gather is issued as the step begins and awaited only just
+before the step's first collective (`collectives.before_next_collective`), so it overlaps forward. A rank whose key
+changed since its last step awaits it at once instead, before tracing or checking a new graph: then every rank
+meets the others' description exchange from the same point, before any collective of the step.
 """
 
 from __future__ import annotations
@@ -23,11 +28,23 @@ def control_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
 
 def verify_same(value: int, what: str, describe: Callable[[], str], group: dist.ProcessGroup | None = None) -> None:
+    agree(value, what, describe, group)()
+
+
+def agree(value: int, what: str, describe: Callable[[], str],
+          group: dist.ProcessGroup | None = None) -> Callable[[], None]:
+    """Issue the all-gather of ``value`` now; the returned function awaits it and raises on a mismatch."""
     mine = torch.tensor([value], dtype=torch.int64, device=control_device(group))
-    every = collectives.all_gather_control(mine, group).flatten().tolist()
-    if len(set(every)) == 1:
-        return
-    descriptions: list = [None] * len(every)
-    dist.all_gather_object(descriptions, describe(), group=group)
-    lines = [f"  rank {r}: {d}" for r, d in enumerate(descriptions)]
-    raise RankMismatchError(f"ranks would run different graphs: {what} differs\n" + "\n".join(lines))
+    every, work = collectives.all_gather_control(mine, group, async_op=True)
+
+    def settle() -> None:
+        work.wait()
+        values = every.flatten().tolist()
+        if len(set(values)) == 1:
+            return
+        descriptions: list = [None] * len(values)
+        dist.all_gather_object(descriptions, describe(), group=group)
+        lines = [f"  rank {r}: {d}" for r, d in enumerate(descriptions)]
+        raise RankMismatchError(f"ranks would run different graphs: {what} differs\n" + "\n".join(lines))
+
+    return settle

@@ -84,8 +84,11 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
     output. With a ``probe`` the graph runs node by node and the probe measures its memory."""
     inputs = input_values(binding, args, compiled.input_slots, for_trace=False,
                           override=state.lookup if state else None)
-    with torch.no_grad():
-        outputs = probe.run_step(inputs, roots=inputs) if probe else compiled.gm(*inputs)
+    try:
+        with torch.no_grad():
+            outputs = probe.run_step(inputs, roots=inputs) if probe else compiled.gm(*inputs)
+    finally:
+        collectives.settle_pending()  # a step that issued no collective still checks its rank agreement
     user_leaves = dict(compiled.captured.user_out_constants)
     optimizers = binding.optimizers(args)
     for slot, value in zip(compiled.output_slots, outputs):

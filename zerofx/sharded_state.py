@@ -1,8 +1,9 @@
 """The state a compiled step owns: from stage 1 on, this rank's parameter and optimizer-state shards.
 
 On its first call (or `bind`) the step takes the module's parameters and the optimizer's state, keeps what the stage
-stores (stages 1-2: every full parameter, padded; stage 3: this rank's shard; stages 1-3: this rank's shard of each
-optimizer state tensor and, under mixed precision, of each fp32 master weight), and releases the originals: their
+stores (stages 1-2: every full parameter, padded; stage 3: this rank's shard, none in ``param_dtype`` under mixed
+precision, where the gathers cast the masters; stages 1-3: this rank's shard of each optimizer state tensor and,
+under mixed precision, of each fp32 master weight), and releases the originals: their
 memory is freed and reading them gives an empty tensor. At stage 0 it owns only the low-precision compute copies of
 mixed precision; the module's fp32 parameters are the master weights. `zerofx.state_dict(step)` shows this state in
 place, `zerofx.full_state_dict(step)` gathers it.
@@ -59,9 +60,12 @@ class ShardedState:
             if self.stage == 0:
                 self.params[fqn] = compute.clone()
                 continue
-            self.params[fqn] = layout.padded_flat(compute) if self.stage < 3 else layout.shard_of(compute, self.rank)
             if mixed:
                 self.masters[fqn] = layout.shard_of(p, self.rank)
+            if self.stage < 3:
+                self.params[fqn] = layout.padded_flat(compute)
+            elif not mixed:  # stage 3 under mixed precision gathers casts of the masters: no param_dtype shard
+                self.params[fqn] = layout.shard_of(p, self.rank)
         if self.stage == 0 or not new:
             return bool(new)
         fqn_of = binding.fqn_of
@@ -130,8 +134,10 @@ class ShardedState:
             return None  # nothing was released
         if slot.role in (Role.PARAM, Role.MASTER) and slot.fqn in self.layouts:
             layout = self.layouts[slot.fqn]
-            dtype = self.masters[slot.fqn].dtype if slot.role == Role.MASTER else layout.dtype
-            return torch.empty(layout.shape, dtype=dtype, device=self.params[slot.fqn].device)
+            stored = self.masters.get(slot.fqn)
+            stored = self.params[slot.fqn] if stored is None else stored
+            dtype = stored.dtype if slot.role == Role.MASTER else layout.dtype
+            return torch.empty(layout.shape, dtype=dtype, device=stored.device)
         if slot.role == Role.OPT_STATE and (slot.optimizer, slot.fqn, slot.key) in self.sharded_state_keys:
             layout = self.layouts[slot.fqn]
             value = self.opt_state[(slot.optimizer, slot.fqn, slot.key)]

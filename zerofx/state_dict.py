@@ -128,7 +128,7 @@ def _param(fqn, binding, owned, of_shard, whole):
     if owned is None or fqn not in owned.layouts or owned.stage == 0:
         return whole(binding.params[fqn])
     layout = owned.layouts[fqn]
-    stored = owned.masters.get(fqn, owned.params[fqn])
+    stored = owned.masters[fqn] if fqn in owned.masters else owned.params[fqn]
     if stored.numel() == layout.padded_numel:  # stages 1-2 (or one rank): the whole parameter, padded
         return whole(layout.unpad(stored))
     return of_shard(layout, stored)
@@ -261,5 +261,4 @@ def _refresh_compute_copies(binding, owned) -> None:
             owned.params[fqn].copy_(binding.params[fqn])
         elif owned.stage < 3:
             owned.params[fqn].copy_(layout.padded_flat(gather_full(layout, owned.masters[fqn])))
-        else:
-            owned.params[fqn].copy_(owned.masters[fqn])
+        # stage 3 keeps no param_dtype shard: its gathers cast the masters

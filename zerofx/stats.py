@@ -88,7 +88,8 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
                                b_grad=mixed.grad_dtype.itemsize if mixed else element,
                                k_optimizer=_k_optimizer(binding, args, owned) + (4 if mixed else 0),
                                reshard_after_forward=config.reshard_after_forward,
-                               micro_batches=StepGraph(compiled.gm).num_microbatches())
+                               micro_batches=StepGraph(compiled.gm).num_microbatches(),
+                               casts_masters=mixed is not None)
     micro = StepGraph(compiled.gm).num_microbatches()
     return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),
                      ring_volume([r for r in records if r.purpose == "data"]), state,
