@@ -4,14 +4,14 @@
     python benchmarks/repro_gloo_heap_corruption.py --no-reduce-scatter --no-object-collectives
 
 Each iteration issues the collectives of one ZeRO stage-3 step and of a checkpoint save, as zerofx does, but with
-the functional collectives (``torch.ops._c10d_functional``) called directly: an all-gather per parameter bucket
-with the next one already in flight, a reduce-scatter per bucket all waited at the end, then the synchronous object
+the functional collectives (``torch.ops._c10d_functional``) called directly: an all-gather per parameter bucket with
+the next one already in flight, a reduce-scatter per bucket all waited at the end, then the synchronous object
 collectives ``torch.distributed.checkpoint`` uses. Every buffer stays referenced until its wait returns. On torch
 2.13.0 (CPU wheel, glibc 2.36, ``MALLOC_PERTURB_=165``, a loaded 2-core machine) one rank aborted with the message
-above within 3,000 iterations, in a gloo worker thread's allocation inside an all-gather; it is rare, so run it long
-or several times. The ``--no-...`` switches leave parts out: without one of the three parts (or with all-gathers alone)
-it ran 4,000 iterations without an abort, which does not yet show which parts it needs. Exit status 0 when every rank
-finished.
+above within 3,000 iterations, in a gloo worker thread's allocation inside an all-gather; a second run of 4,000 had
+none. It is rare: run it long or several times. The ``--no-...`` switches leave parts out: without one of the three
+parts (or with all-gathers alone) it ran 4,000 iterations without an abort, which does not yet show which parts it
+needs. Exit status 0 when every rank finished.
 """
 
 from __future__ import annotations
