@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench
+.PHONY: demo test install bench stress
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,3 +26,7 @@ bench: $(STAMP)
 	$(PY) -m pip install -q torch==2.13.0 -e '.[bench]'
 	$(PY) -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) benchmarks/compare_peers.py --size default
+
+# Stage 3 on 4 gloo ranks with a checkpoint save, 50 times in fresh processes: one line per run, then a summary.
+stress: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/stress_checkpoint.py --runs 50

@@ -1,0 +1,119 @@
+"""Heap corruption in PyTorch's gloo backend, with torch alone: ``malloc(): unaligned tcache chunk detected``.
+
+    python benchmarks/repro_gloo_heap_corruption.py                      # 4 ranks, 4000 iterations
+    python benchmarks/repro_gloo_heap_corruption.py --no-reduce-scatter --no-object-collectives
+
+Each iteration issues the collectives of one ZeRO stage-3 step and of a checkpoint save, as zerofx does, but with
+the functional collectives (``torch.ops._c10d_functional``) called directly: an all-gather per parameter bucket with
+the next one already in flight, a reduce-scatter per bucket all waited at the end, then the synchronous object
+collectives ``torch.distributed.checkpoint`` uses. Every buffer stays referenced until its wait returns. On torch
+2.13.0 (CPU wheel, glibc 2.36, ``MALLOC_PERTURB_=165``, a loaded 2-core machine) one rank aborted with the message
+above within 3,000 iterations, in a gloo worker thread's allocation inside an all-gather; a second run of 4,000 had
+none. It is rare: run it long or several times. The ``--no-...`` switches leave parts out: without one of the three
+parts (or with all-gathers alone) it ran 4,000 iterations without an abort, which does not yet show which parts it
+needs. Exit status 0 when every rank finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+functional = torch.ops._c10d_functional
+BUCKETS = [488, 136, 675, 272, 900, 30, 900, 24, 675, 272, 900, 30, 900, 24]  # shard elements, a small GPT's
+
+
+def gather_buckets(rank: int, world: int, group: str, prefetch: bool) -> None:
+    pending = None
+    for n in BUCKETS:
+        send = torch.full((n,), float(rank))
+        issued = (functional.all_gather_into_tensor(send, world, group), send)
+        if not prefetch:
+            functional.wait_tensor(issued[0])
+            continue
+        if pending is not None:
+            functional.wait_tensor(pending[0])
+        pending = issued
+    if pending is not None:
+        functional.wait_tensor(pending[0])
+
+
+def reduce_scatter_buckets(world: int, group: str) -> None:
+    issued = []
+    for n in BUCKETS:
+        packed = torch.ones(n * world) / world
+        issued.append((functional.reduce_scatter_tensor(packed, "sum", world, group), packed))
+    for out, _ in reversed(issued):
+        functional.wait_tensor(out)
+
+
+def object_collectives(rank: int, world: int, i: int) -> None:
+    every = torch.empty(world, dtype=torch.int64)
+    dist.all_gather_single(every, torch.tensor([i], dtype=torch.int64))
+    plans = [None] * world
+    dist.all_gather_object(plans, {"rank": rank, "items": list(range(20))})
+    dist.gather_object({"rank": rank}, [None] * world if rank == 0 else None, dst=0)
+    mine = [None]
+    dist.scatter_object_list(mine, [{"rank": r} for r in range(world)] if rank == 0 else None, src=0)
+    dist.broadcast_object_list([{"step": i}], src=0)
+    dist.all_reduce(torch.ones(1))
+    dist.barrier()
+
+
+def rank_main(rank: int, world: int, port: int, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    group = dist.group.WORLD.group_name
+    for i in range(args.iterations):
+        if args.all_gather:
+            gather_buckets(rank, world, group, args.prefetch)
+        if args.reduce_scatter:
+            reduce_scatter_buckets(world, group)
+        if args.object_collectives:
+            object_collectives(rank, world, i)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=4000)
+    parser.add_argument("--no-all-gather", dest="all_gather", action="store_false")
+    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="one all-gather in flight")
+    parser.add_argument("--no-reduce-scatter", dest="reduce_scatter", action="store_false")
+    parser.add_argument("--no-object-collectives", dest="object_collectives", action="store_false")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    context = mp.start_processes(rank_main, args=(args.world_size, port, args), nprocs=args.world_size, join=False,
+                                 start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as e:
+        how = signal.Signals(-e.exit_code).name if e.exit_code < 0 else f"exit {e.exit_code}"
+        print(f"rank {e.error_index} failed ({how}) after {time.monotonic() - started:.0f}s", flush=True)
+        return 1
+    except mp.ProcessRaisedException as e:
+        print(f"a rank raised after {time.monotonic() - started:.0f}s:\n{e}", flush=True)
+        return 1
+    print(f"{args.iterations} iterations on {args.world_size} ranks, no failure "
+          f"({time.monotonic() - started:.0f}s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
