@@ -31,12 +31,13 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     (a view: nothing is copied out) and which dies after the parameter's last forward use; it is issued
     ``ctx.prefetch`` buckets ahead (just before the first use of bucket i - prefetch) and waited on just before the
     bucket's first use, so gathered bytes alive are those of at most prefetch + 1 buckets, less what already died.
-    A parameter read again after other buckets were gathered (a tied embedding and head) is gathered again for that
-    read rather than kept alive in between. With ``ctx.reshard_after_forward`` (default) backward gathers again the
+    A parameter read again after other buckets were gathered (a tied embedding and head) stays gathered until then if
+    it is no larger than the largest unit, and is gathered again otherwise. With ``ctx.reshard_after_forward`` (default) backward gathers again the
     same way, in backward's order of first use and only what backward reads (not biases), and recomputes the views
     forward took of a parameter (``t(w)``) from the new copy; without it backward reads forward's copies, kept alive
     between the two. The optimizer keeps updating the shard. Leaves ``ctx.artifacts["gather_buckets"]`` (the units)
-    and ``ctx.artifacts["gathers"]`` (phase, bucket) for each all-gather issued in the first micro-batch.
+    ``ctx.artifacts["gathers"]`` (phase, bucket) for each all-gather issued in the first micro-batch and
+    ``ctx.artifacts["kept_gathered"]``, the parameters kept gathered for a later read.
     """
     graph = gm.graph
     sg = StepGraph(gm)
@@ -49,10 +50,11 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     used = sorted((f for f in shards if all_forward[f]), key=lambda f: sg.order[all_forward[f][0]])
     buckets = plan_sharded(ctx, [(f, layouts[f].padded_numel, layouts[f].dtype) for f in used])
     gathers: list[tuple[Phase, Bucket]] = []
+    kept: set[str] = set()
     for mb in range(sg.num_microbatches()):  # each micro-batch gathers for itself, as the paper's 3M counts
         forward_uses = {f: [u for u in all_forward[f] if tag(u).microbatch == mb] for f in shards}
         backward_uses = {f: [u for u in all_backward[f] if tag(u).microbatch == mb] for f in shards}
-        forward = _segments(sg, buckets, forward_uses)
+        forward = _segments(sg, buckets, forward_uses, kept)
         forward_copies = _insert_gathers(graph, ctx, layouts, shards, forward, Phase.FORWARD)
         for (_, _, uses), copies in zip(forward, forward_copies):
             for f, full in copies.items():
@@ -60,7 +62,7 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     user.replace_input_with(shards[f], full)
         sources = {f: (shards[f], *(c[f] for c in forward_copies if f in c)) for f in shards}
         if ctx.reshard_after_forward:
-            backward = _segments(sg, buckets, backward_uses)
+            backward = _segments(sg, buckets, backward_uses, kept)
             backward_copies = _insert_gathers(graph, ctx, layouts, shards, backward, Phase.BACKWARD)
             for (_, _, uses), copies in zip(backward, backward_copies):
                 for f, full in copies.items():
@@ -75,6 +77,7 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             gathers += [(Phase.BACKWARD, b) for b, _, _ in backward] if ctx.reshard_after_forward else []
     ctx.artifacts["gather_buckets"] = buckets
     ctx.artifacts["gathers"] = gathers
+    ctx.artifacts["kept_gathered"] = sorted(kept)
     gm.recompile()
     return gm
 
@@ -82,12 +85,19 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 _Segment = tuple  # (bucket, anchor, fqn -> the uses it serves)
 
 
-def _segments(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node]]) -> list[_Segment]:
+def _segments(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node]],
+              kept: set[str]) -> list[_Segment]:
     """Where each bucket is gathered, in order: before its first use, for its parameters this phase reads (backward
     does not read biases, nor an embedding's weight). A parameter read again after another bucket's first use (a tied
-    embedding and head) is gathered again there, with the rest of its bucket read there, instead of staying gathered
-    across the buckets between: that costs its elements again in traffic and saves its bytes in memory."""
+    embedding and head) stays gathered until then if it is no larger than the largest other unit, so gathered bytes
+    stay within the units in flight plus one such parameter; a larger one is gathered again there (its elements cost
+    traffic again, its bytes are not held across the buckets between). Parameters of a bucket first read only after
+    another bucket's first use are split off and gathered there. Adds the parameters kept gathered to ``kept``."""
     order = sg.order.__getitem__
+    sizes = sorted((b.nbytes for b in buckets), reverse=True) + [0, 0]
+    bytes_of = {f: n * b.dtype.itemsize for b in buckets for f, n in zip(b.names, b.numels)}
+    # the largest bucket besides the parameter's own: what a kept parameter must not outgrow
+    largest = {f: sizes[1] if b.nbytes == sizes[0] else sizes[0] for b in buckets for f in b.names}
     pending = [(b, {f: uses[f] for f in b.names if uses[f]}) for b in buckets]
     segments: list[_Segment] = []
     while pending := [(b, u) for b, u in pending if u]:
@@ -95,8 +105,10 @@ def _segments(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node
         bucket, bucket_uses = pending.pop(0)
         anchor = min((xs[0] for xs in bucket_uses.values()), key=order)
         end = min((order(xs[0]) for _, u in pending for xs in u.values()), default=len(sg.order))
-        now = {f: [x for x in xs if order(x) < end] for f, xs in bucket_uses.items()}
-        later = {f: [x for x in xs if order(x) >= end] for f, xs in bucket_uses.items()}
+        now = {f: [x for x in xs if order(x) < end or (order(xs[0]) < end and bytes_of[f] <= largest[f])]
+               for f, xs in bucket_uses.items()}
+        later = {f: [x for x in xs if x not in now[f]] for f, xs in bucket_uses.items()}
+        kept.update(f for f, xs in now.items() if xs and order(xs[-1]) >= end)
         segments.append((_subset(bucket, now, bucket.reason), anchor, {f: xs for f, xs in now.items() if xs}))
         again = {f: xs for f, xs in later.items() if xs and now[f]}  # gathered now and needed again later
         first = {f: xs for f, xs in later.items() if xs and not now[f]}  # only read later: split off, not repeated

@@ -56,7 +56,7 @@ def test_dump_dir_has_one_readable_file_per_pass(ranks2, tmp_path):
     results = ranks2.run(cases.dump_files, dump_dir=str(tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00_capture.py", "01_remove_profiler_ops.py", "02_skip_nonfinite_update.py",
-                     "03_broadcast_buffers.py", "04_bucket_allreduce.py"]
+                     "03_broadcast_buffers.py", "04_bucket_allreduce.py", "units.txt"]
     text = (tmp_path / "04_bucket_allreduce.py").read_text()
     n = results[0]["allreduces"]
     assert n == 12 and f"# collectives: {n} (" in text  # the buckets of 16 KiB counted in the test above

@@ -79,3 +79,27 @@ def test_gathered_bytes_stay_within_the_units_in_flight(ranks2, prefetch):
     assert r["n_units"] == 6
     bound = (prefetch + 1) * r["largest_unit"] + r["largest_param"]
     assert r["gathered_high_water"] <= bound, r
+
+
+def test_stats_and_dumps_name_every_unit(tmp_path):
+    model = _gpt(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = zerofx.compile(train_step, stage=3, dump_dir=str(tmp_path))
+    step(model, opt, *token_batch(0, 0, cfg=model.cfg))
+    assert step.stats().units == ["blocks.0: 61,184 bytes (unit)", "blocks.1: 51,072 bytes (unit)"]
+    text = (tmp_path / "units.txt").read_text()
+    assert "  blocks.0: 61,184 bytes, unit; wte.weight, wpe.weight, blocks.0.ln1.weight, ... 11 more" in text
+    # the tied embedding, read again by the head, is smaller than a block: it stays gathered until then
+    assert "kept gathered until a later read (no larger than the largest unit): wte.weight" in text
+    assert "read again later" not in text
+
+
+def test_a_tied_parameter_larger_than_any_unit_is_gathered_again():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=2048, block_size=16, n_layer=2, n_head=2, n_embd=32))  # wte: 262,144 bytes
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = zerofx.compile(train_step, stage=3)
+    step(model, opt, *token_batch(0, 0, cfg=GPTConfig(vocab_size=2048, block_size=16)))
+    artifacts = step._last.ctx.artifacts
+    again = [(phase.value, b.names) for phase, b in artifacts["gathers"] if b.reason == "read again later"]
+    assert again == [("forward", ["wte.weight"])] and artifacts["kept_gathered"] == []

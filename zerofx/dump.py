@@ -60,3 +60,32 @@ def write(dump_dir: str, index: int, name: str, gm: fx.GraphModule) -> str:
     with open(path, "w") as f:
         f.write(render(gm, f"pass {index}: {name}"))
     return path
+
+
+def write_units(dump_dir: str, artifacts: dict) -> str:
+    """``units.txt``: every communication bucket the passes planned (module path or parameters, bytes, why it was cut
+    there) and, at stage 3, each all-gather issued, and which parameters read again later were kept gathered or
+    gathered again."""
+    lines = []
+    for key, title in (("gather_buckets", "parameter units (stage 3 all-gathers)"),
+                       ("grad_buckets", "gradient buckets (all-reduce or reduce-scatter)"),
+                       ("param_buckets", "parameter buckets (all-gather after the update)")):
+        if artifacts.get(key):
+            lines.append(f"{title}:")
+            lines += [f"  {_bucket_line(b)}" for b in artifacts[key]]
+    if artifacts.get("kept_gathered"):
+        lines.append("kept gathered until a later read (no larger than the largest unit): "
+                     + ", ".join(artifacts["kept_gathered"]))
+    if artifacts.get("gathers"):
+        lines.append("all-gathers issued (first micro-batch):")
+        lines += [f"  {phase.value:<8} {_bucket_line(b)}" for phase, b in artifacts["gathers"]]
+    os.makedirs(dump_dir, exist_ok=True)
+    path = os.path.join(dump_dir, "units.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _bucket_line(bucket) -> str:
+    names = bucket.names if len(bucket.names) <= 3 else bucket.names[:3] + [f"... {len(bucket.names) - 3} more"]
+    return f"{bucket.unit or '(outside units)'}: {bucket.nbytes:,} bytes, {bucket.reason}; {', '.join(names)}"

@@ -72,6 +72,8 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
             dump.write(dump_dir, index, name, gm)
 
     gm = pipeline(ctx.stage).run(captured.gm, ctx, after_each)
+    if dump_dir:
+        dump.write_units(dump_dir, ctx.artifacts)
     sg = StepGraph(gm)
     outputs = sg.output_slots()
     left_grads = {s.fqn for s in outputs if s.role == Role.GRAD_OUT}

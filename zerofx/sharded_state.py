@@ -99,6 +99,10 @@ class ShardedState:
                     if isinstance(value, torch.Tensor):
                         entries[key] = torch.empty(0, dtype=value.dtype, device=value.device)
 
+    def stored(self, fqn: str) -> torch.Tensor:
+        """Parameter ``fqn`` as the step stores it in its master precision: the fp32 master under mixed precision."""
+        return self.masters[fqn] if fqn in self.masters else self.params[fqn]
+
     def frozen_compute(self, fqn: str, param: torch.Tensor) -> torch.Tensor:
         """A frozen parameter in ``param_dtype``, cast once and again only after the parameter changed."""
         version = (param.data_ptr(), param._version)

@@ -128,7 +128,7 @@ def _param(fqn, binding, owned, of_shard, whole):
     if owned is None or fqn not in owned.layouts or owned.stage == 0:
         return whole(binding.params[fqn])
     layout = owned.layouts[fqn]
-    stored = owned.masters[fqn] if fqn in owned.masters else owned.params[fqn]
+    stored = owned.stored(fqn)
     if stored.numel() == layout.padded_numel:  # stages 1-2 (or one rank): the whole parameter, padded
         return whole(layout.unpad(stored))
     return of_shard(layout, stored)
@@ -225,7 +225,7 @@ def _load_param(fqn, value, binding, owned) -> None:
         p.copy_(_full(value, fqn))
         return
     layout = owned.layouts[fqn]
-    target = owned.masters.get(fqn, owned.params[fqn])
+    target = owned.stored(fqn)
     if target.numel() == layout.padded_numel and layout.world_size > 1:  # stages 1-2 store the full parameter
         full = gather_full(layout, _shard(value, layout, owned.rank, fqn)) if isinstance(value, ShardedTensor) \
             else _full(value, fqn)
