@@ -69,9 +69,9 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     _rewire_backward(graph, sources[f], full, derived[f], uses[f])
         else:
             for f in shards:
-                kept = next((c[f] for c in reversed(forward_copies) if f in c), None)
+                last_copy = next((c[f] for c in reversed(forward_copies) if f in c), None)
                 for user in backward_uses[f]:
-                    user.replace_input_with(shards[f], kept)
+                    user.replace_input_with(shards[f], last_copy)
         if mb == 0:
             gathers = [(Phase.FORWARD, b) for b, _, _ in forward]
             gathers += [(Phase.BACKWARD, b) for b, _, _ in backward] if ctx.reshard_after_forward else []
