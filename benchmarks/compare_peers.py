@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from nanogpt import GPTConfig  # noqa: E402
 from peers import report  # noqa: E402
+from peers.models import LlamaShape  # noqa: E402
 from peers.run import Settings, worker  # noqa: E402
 
 # (layers, heads, width, context, batch, bucket elements): a bucket about one block's parameters (12·width²), as
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> tuple[str, list[dict]]:
     """Run every world size, write the results; the path of the Markdown file and the runs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=SIZES, default="default")
+    parser.add_argument("--model", choices=["gpt", "llama"], default="gpt",
+                        help="the repository's GPT, or a Hugging Face LlamaForCausalLM of the same sizes")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> tuple[str, list[dict]]:
 
     text = open(os.path.join(ROOT, "examples", "data", "zero.txt")).read()
     layers, heads, width, context, batch, bucket = SIZES[args.size]
-    cfg = GPTConfig(vocab_size=len(set(text)), block_size=context, n_layer=layers, n_head=heads, n_embd=width)
+    shape = GPTConfig if args.model == "gpt" else LlamaShape
+    cfg = shape(vocab_size=len(set(text)), block_size=context, n_layer=layers, n_head=heads, n_embd=width)
     skip = tuple(args.skip)
     if "deepspeed" not in skip and importlib.util.find_spec("deepspeed") is None:
         skip += ("deepspeed",)
@@ -139,12 +143,14 @@ def main(argv: list[str] | None = None) -> tuple[str, list[dict]]:
     elapsed = time.perf_counter() - started
 
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"peers-{args.date}")
+    name = f"peers-{args.date}" if args.model == "gpt" else f"peers-{args.model}-{args.date}"
+    stem = os.path.join(args.out, name)
     command = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compare_peers.py " + shlex.join(argv or sys.argv[1:])
     lines = [f"# zerofx beside DDP, FSDP2 and DeepSpeed — {args.date}", "",
              f"    {command.strip()}", "",
              f"{os.cpu_count()} CPU cores, gloo, {_versions()}; {elapsed / 60:.1f} min. "
-             f"GPT {layers} layers × {width} wide, {heads} heads, context {context}, batch {batch} per rank, "
+             f"{'GPT' if args.model == 'gpt' else 'Hugging Face LlamaForCausalLM'} {layers} layers × {width} wide, "
+             f"{heads} heads, context {context}, batch {batch} per rank, "
              f"AdamW (lr 3e-3, weight decay 0.1 on matrices), buckets of {bucket:,} elements; "
              f"{args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps.", ""]
     if "deepspeed" in skip and "deepspeed" not in args.skip:
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> tuple[str, list[dict]]:
         lines += [report.table(run), ""]
     if importlib.util.find_spec("matplotlib"):
         report.chart(runs, stem + ".png")
-        lines += [f"![peak memory and step-time ratio](peers-{args.date}.png)", ""]
+        lines += [f"![peak memory and step-time ratio]({name}.png)", ""]
     else:
         lines += ["Chart skipped: matplotlib is not installed (`pip install -e '.[bench]'`).", ""]
     lines += [NOTES]

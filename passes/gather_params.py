@@ -104,7 +104,10 @@ def _segments(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node
         pending.sort(key=lambda bu: min(order(xs[0]) for xs in bu[1].values()))
         bucket, bucket_uses = pending.pop(0)
         anchor = min((xs[0] for xs in bucket_uses.values()), key=order)
-        end = min((order(xs[0]) for _, u in pending for xs in u.values()), default=len(sg.order))
+        # where the next bucket is first read; a node that reads this bucket and another (a bias here, its weight
+        # there) is this bucket's to serve
+        end = min((order(xs[0]) for _, u in pending for xs in u.values() if order(xs[0]) > order(anchor)),
+                  default=len(sg.order))
         now = {f: [x for x in xs if order(x) < end or (order(xs[0]) < end and bytes_of[f] <= largest[f])]
                for f, xs in bucket_uses.items()}
         later = {f: [x for x in xs if x not in now[f]] for f, xs in bucket_uses.items()}

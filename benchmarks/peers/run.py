@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from nanogpt import GPT, GPTConfig
+from nanogpt import GPTConfig
 from peers import measure, systems
+from peers.models import LlamaShape, build
 from zerofx import formulas
 
 REFERENCE = "FSDP2 reshard"
@@ -29,7 +30,7 @@ REFERENCE = "FSDP2 reshard"
 
 @dataclass
 class Settings:
-    cfg: GPTConfig
+    cfg: GPTConfig | LlamaShape
     batch_size: int
     bucket_elements: int  # zerofx's and DeepSpeed's buckets, whatever the precision
     rounds: int
@@ -55,7 +56,7 @@ class Result:
     final_loss: float = float("nan")
 
 
-def _batches(cfg: GPTConfig, batch_size: int, rank: int, text: str):
+def _batches(cfg: GPTConfig | LlamaShape, batch_size: int, rank: int, text: str):
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
 
@@ -111,7 +112,7 @@ class Bench:
         self.batch = _batches(settings.cfg, settings.batch_size, rank, text)
         self.cfg = settings.cfg
         self.skipped: dict[str, str] = {}
-        self.psi = sum(p.numel() for p in GPT(settings.cfg).parameters())  # Ψ: the tied embedding counts once
+        self.psi = sum(p.numel() for p in build(settings.cfg).parameters())  # Ψ: a tied embedding counts once
         self.next_step: dict[str, int] = {}
         self.started = time.perf_counter()
 

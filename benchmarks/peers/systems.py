@@ -1,5 +1,6 @@
-"""The systems compared. Each starts from the same GPT (same seed), trains it with AdamW over nanoGPT's two
-parameter groups at the same learning rate, and exposes one call: ``step(x, y) -> loss`` on this rank's batch."""
+"""The systems compared. Each starts from the same model (same seed; the GPT or a Hugging Face Llama, `models`),
+trains it with AdamW over nanoGPT's two parameter groups at the same learning rate, and exposes one call:
+``step(x, y) -> loss`` on this rank's batch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Callable
 import torch
 
 import zerofx
-from nanogpt import GPT, GPTConfig, param_groups
+from nanogpt import GPTConfig, param_groups
+from peers.models import build
 
 LR = 3e-3
 WEIGHT_DECAY = 0.1
@@ -25,11 +27,6 @@ class System:
     keep: list = field(default_factory=list)  # objects the step needs alive
 
 
-def _model(cfg: GPTConfig) -> GPT:
-    torch.manual_seed(0)
-    return GPT(cfg)
-
-
 def _train_step(model, optimizer, x, y):
     optimizer.zero_grad()
     loss = model(x, y)
@@ -41,7 +38,7 @@ def _train_step(model, optimizer, x, y):
 def zerofx_system(cfg: GPTConfig, stage: int, bf16: bool, bucket_bytes: int | None = None,
                   reshard_after_forward: bool = True) -> System:
     """zerofx as its users run it (``bucket_bytes=None``: units from the model's blocks), or with buckets given."""
-    model = _model(cfg)
+    model = build(cfg)
     optimizer = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR)
     mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     compiled = zerofx.compile(_train_step, stage=stage, bucket_bytes=bucket_bytes, mixed_precision=mixed,
@@ -56,7 +53,7 @@ def ddp_system(cfg: GPTConfig) -> System:
     """DDP at its defaults (25 MiB buckets), as its users run it."""
     from torch.nn.parallel import DistributedDataParallel
 
-    model = _model(cfg)
+    model = build(cfg)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR)
     return System("DDP", "fp32", 0, lambda x, y: _train_step(ddp, optimizer, x, y), keep=[ddp, optimizer])
@@ -65,7 +62,7 @@ def ddp_system(cfg: GPTConfig) -> System:
 def fsdp2_system(cfg: GPTConfig, bf16: bool, reshard_after_forward: bool) -> System:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = _model(cfg)
+    model = build(cfg)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
     for block in model.blocks:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -83,7 +80,7 @@ def deepspeed_system(cfg: GPTConfig, stage: int, bf16: bool, batch_size: int, bu
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    model = _model(cfg)
+    model = build(cfg)
     zero: dict = {"stage": stage}
     if bucket_elements is not None:
         zero.update(reduce_bucket_size=bucket_elements, allgather_bucket_size=bucket_elements,
