@@ -101,14 +101,16 @@ timed in one round. Final losses are compared per precision against the median: 
 summation order; bf16 ones are identical over the first steps and then drift apart where a system's bf16 path
 rounds differently (DeepSpeed's bucketing, reduction and update differ from FSDP2's and zerofx's, which agree).
 
+zerofx runs at its defaults: stage 3 gathers by units it finds in the model (one block each) and DDP keeps its own
+25 MiB buckets; the "tuned buckets" row gives zerofx-3 `bucket_bytes` equal to the row's bucket size instead.
+zerofx-3 sends less than 3Ψ: backward gathers only what it reads (not the linear layers' biases nor the position
+embedding), and under bf16 it keeps no bf16 shard (its all-gathers cast the fp32 masters, as FSDP2's do), so its bf16
+model states are 12Ψ/N_d against the formula's 16Ψ/N_d. What remains at the peak, besides activations (most of it
+on this model), is the unit being read and the one prefetched (`prefetch=1`): smaller units (the tuned row) hold less.
 Where zerofx's step time goes (torch.profiler and cProfile on 2 ranks): the graph's ATen kernels and the waits on
-gloo collectives; zerofx's own Python around the graph (binding, guard key, writing results back) is under 1 ms
-per step, and its key hash is now cached per key. What is left: at every step the ranks agree on the guard key
-with one blocking 8-byte all-gather before the graph runs (`verify_ranks=True`, the default; about 2 ms here,
-`verify_ranks=False` removes it) — DDP has no such check; it is part of zerofx-0's gap to DDP. In bf16, zerofx
-stores the bf16 parameter shard beside its fp32 master (the paper's 2Ψ + 12Ψ per parameter, over N_d at stage 3),
-while FSDP2 keeps only the fp32 shard and casts it at each all-gather: 2Ψ/N_d more bytes at zerofx-3's peak, which
-is where its bf16 peak exceeds FSDP2's.
+gloo collectives; zerofx's own Python around the graph is under 1 ms per step. The ranks' agreement on the guard
+key (`verify_ranks=True`) is an 8-byte all-gather issued as the step begins and awaited just before its first
+collective.
 """
 
 
