@@ -23,8 +23,9 @@ parser.add_argument("--stage", type=int, default=0)
 parser.add_argument("--steps", type=int, default=60)
 parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--lr", type=float, default=3e-3)
-parser.add_argument("--bucket-mb", type=float, default=0.25)
-parser.add_argument("--prefetch", type=int, default=1, help="stage 3: all-gathers issued this many buckets ahead")
+parser.add_argument("--bucket-mb", type=float, default=None,
+                    help="buckets of this size instead of the units zerofx finds in the model (one block each)")
+parser.add_argument("--prefetch", type=int, default=1, help="stage 3: all-gathers issued this many units ahead")
 parser.add_argument("--dump-dir", default=None, help="write the graph after capture and after each pass here")
 parser.add_argument("--report", action="store_true", help="measure memory and print zerofx.report at the end")
 parser.add_argument("--ckpt-dir", default=None, help="save a sharded checkpoint here every --save-every steps")
@@ -65,7 +66,10 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s +
 
 
 # --- the train step: ordinary PyTorch, compiled once -------------------------------------------------------------
-@zerofx.compile(stage=args.stage, bucket_bytes=int(args.bucket_mb * 2**20), prefetch=args.prefetch,
+bucket_bytes = None if args.bucket_mb is None else int(args.bucket_mb * 2**20)  # None: units from the model
+
+
+@zerofx.compile(stage=args.stage, bucket_bytes=bucket_bytes, prefetch=args.prefetch,
                 dump_dir=args.dump_dir, track_memory=args.report)
 def train_step(model, optimizer, x, y):
     optimizer.zero_grad()
