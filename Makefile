@@ -20,12 +20,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# zerofx beside DDP, FSDP2 and DeepSpeed on 2 and 4 gloo ranks; writes benchmarks/results/peers-<date>.{md,png}.
+# zerofx beside DDP, FSDP2 and DeepSpeed on 2 and 4 gloo ranks, then a Hugging Face Llama on 2; writes
+# benchmarks/results/peers-[llama-]<date>.{md,png,json}.
 # torch is installed first and pinned, so DeepSpeed's dependency on torch cannot replace the CPU build.
 bench: $(STAMP)
 	$(PY) -m pip install -q torch==2.13.0 -e '.[bench]'
 	$(PY) -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) benchmarks/compare_peers.py --size default
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) benchmarks/compare_peers.py --size default --model llama --worlds 2
 
 # Stage 3 on 4 gloo ranks with a checkpoint save, 50 times in fresh processes: one line per run, then a summary.
 stress: $(STAMP)
