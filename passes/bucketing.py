@@ -21,7 +21,7 @@ class Bucket:
     names: list[str] = field(default_factory=list)
     numels: list[int] = field(default_factory=list)
     unit: str | None = None  # the module path of the unit it follows, if any
-    reason: str = "bucket_bytes"  # why it was cut there: "unit", "between units", "cap", "bucket_bytes", "dtype"
+    reason: str = "bucket_bytes"  # why cut there: "unit", "between units", "cap", "bucket_bytes", "read again later"
 
     @property
     def numel(self) -> int:

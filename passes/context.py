@@ -17,6 +17,8 @@ class PassContext:
     prefetch: int = 1  # stage 3: all-gathers issued this many buckets ahead of use
     reshard_after_forward: bool = True  # stage 3: gather again in backward instead of keeping forward's copies
     reduce_dtype: torch.dtype | None = None  # gradients are cast to this before reduction; None: as computed
-    units: dict[str, str] | None = None  # fqn -> its unit's module path; None: buckets of bucket_bytes everywhere
-    unit_cap_bytes: int = 64 * 2**20  # no unit is larger (C_B)
+    # fqn -> its unit's module path (empty: no unit found, units are cut at unit_cap_bytes alone); None: the user
+    # gave bucket_bytes, which then groups every collective
+    units: dict[str, str] | None = None
+    unit_cap_bytes: int = 64 * 2**20  # no unit is larger (C_B; zerofx.units.UNIT_CAP_BYTES by default)
     artifacts: dict[str, Any] = field(default_factory=dict)  # what passes leave for the runtime and reports

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from zerofx.errors import CaptureError
 from zerofx.passes.bucketing import Bucket, plan_sharded
 from zerofx.passes.context import PassContext
 from zerofx.passes.flat_collectives import all_gather_params, gathered_params
@@ -32,8 +33,8 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ``ctx.prefetch`` buckets ahead (just before the first use of bucket i - prefetch) and waited on just before the
     bucket's first use, so gathered bytes alive are those of at most prefetch + 1 buckets, less what already died.
     A parameter read again after other buckets were gathered (a tied embedding and head) stays gathered until then if
-    it is no larger than the largest unit, and is gathered again otherwise. With ``ctx.reshard_after_forward`` (default) backward gathers again the
-    same way, in backward's order of first use and only what backward reads (not biases), and recomputes the views
+    it is no larger than the largest other unit, and is gathered again otherwise. With ``ctx.reshard_after_forward``
+    (default) backward gathers again the same way, in backward's order of first use and only what backward reads (not biases), and recomputes the views
     forward took of a parameter (``t(w)``) from the new copy; without it backward reads forward's copies, kept alive
     between the two. The optimizer keeps updating the shard. Leaves ``ctx.artifacts["gather_buckets"]`` (the units)
     ``ctx.artifacts["gathers"]`` (phase, bucket) for each all-gather issued in the first micro-batch and
@@ -70,6 +71,10 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         else:
             for f in shards:
                 last_copy = next((c[f] for c in reversed(forward_copies) if f in c), None)
+                if backward_uses[f] and last_copy is None:
+                    raise CaptureError(f"parameter '{f}' is read in backward but not in forward; with "
+                                       "reshard_after_forward=False backward reads only forward's copies",
+                                       hint="use reshard_after_forward=True")
                 for user in backward_uses[f]:
                     user.replace_input_with(shards[f], last_copy)
         if mb == 0:
@@ -91,7 +96,8 @@ def _segments(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node
     does not read biases, nor an embedding's weight). A parameter read again after another bucket's first use (a tied
     embedding and head) stays gathered until then if it is no larger than the largest other unit, so gathered bytes
     stay within the units in flight plus one such parameter; a larger one is gathered again there (its elements cost
-    traffic again, its bytes are not held across the buckets between). Parameters of a bucket first read only after
+    traffic again, its bytes are not held across the buckets between). Several parameters may be kept so, each no
+    larger than a unit (a model ties one, the embedding and the head). Parameters of a bucket first read only after
     another bucket's first use are split off and gathered there. Adds the parameters kept gathered to ``kept``."""
     order = sg.order.__getitem__
     sizes = sorted((b.nbytes for b in buckets), reverse=True) + [0, 0]

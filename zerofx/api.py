@@ -23,7 +23,7 @@ from zerofx.sharded_state import ShardedState
 from zerofx.sharding import ParamLayout
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, measure
-from zerofx.units import UnitRule, unit_of_params
+from zerofx.units import UNIT_CAP_BYTES, UnitRule, check_rule, unit_of_params
 
 log = logging.getLogger("zerofx")
 
@@ -42,13 +42,14 @@ class Config:
     mixed_precision: MixedPrecision | None = None
     max_traces: int = 8  # graphs kept, one per guard key; beyond it the least recently used is evicted
     units: UnitRule = "blocks"  # what a communication unit is (zerofx.units), unless bucket_bytes is given
-    unit_cap_bytes: int = 64 * 2**20  # no unit is larger (C_B)
+    unit_cap_bytes: int = UNIT_CAP_BYTES  # no unit is larger (C_B)
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        check_rule(self.units)
         if self.unit_cap_bytes <= 0:
             raise ValueError(f"unit_cap_bytes must be positive, got {self.unit_cap_bytes}")
         if self.prefetch < 0:
@@ -60,7 +61,7 @@ class Config:
 def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None, prefetch: int = 1,
             reshard_after_forward: bool = True, mixed_precision: MixedPrecision | None = None,
             dump_dir: str | None = None, verify_ranks: bool = True, track_memory: bool = False,
-            max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = 64 * 2**20):
+            max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = UNIT_CAP_BYTES):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
@@ -109,6 +110,7 @@ class CompiledStep:
         capture the graph and take the sharded state, so that ``zerofx.state_dict(self)`` is the target
         ``torch.distributed.checkpoint.load`` fills before the first step. Every rank calls it."""
         self._prepare(args)
+        collectives.settle_pending()  # nothing runs: the rank agreement is awaited here
         return self
 
     def state_dict(self) -> dict:
@@ -128,7 +130,6 @@ class CompiledStep:
     def _prepare(self, args: tuple) -> runtime.CompiledGraph:
         """Bind, guard, capture on a new key, take the sharded state on the first call: all but running."""
         binding = self._bind(args)
-        self._refuse_refreezing(binding)
         taken = set(binding.module_positions) | set(binding.optimizer_positions)
         self._args = tuple(a if i in taken else None for i, a in enumerate(args))  # not the batch: it would live on
         for opt in binding.optimizers(args):
@@ -136,6 +137,8 @@ class CompiledStep:
         world_size, rank, group_name = runtime.world()
         key = guards.step_key(binding, args, self._owned_parts, bool(self._reads_incoming_grads))
         frozen = guards.freeze(key)
+        if key != self._last_key:
+            self._refuse_refreezing(binding)
         if world_size > 1 and self.config.verify_ranks:
             settle = ranks.agree(guards.key_hash(key), "the step's inputs",
                                  lambda: guards.describe_change({}, key) if self._last_key is None
@@ -145,7 +148,8 @@ class CompiledStep:
             else:
                 settle()
         compiled = self._cache.get(frozen)
-        if compiled is None:
+        built = compiled is None
+        if built:
             compiled, key = self._build(binding, args, key, world_size, group_name)
         else:
             self._cache.move_to_end(frozen)
@@ -153,24 +157,23 @@ class CompiledStep:
             ranks.verify_same(compiled.fingerprint, "the captured graph",
                               lambda: f"graph fingerprint {compiled.fingerprint:x}")
             compiled.verified = True
-        if self.config.stage >= 1 or self.config.mixed_precision:
+        if (self.config.stage >= 1 or self.config.mixed_precision) and (self._owned is None or built):
             self._take_state(binding, args, compiled, key, world_size, rank)
         self._last_key, self._last = key, compiled
         return compiled
 
     def _take_state(self, binding, args, compiled, key, world_size, rank) -> None:
         """Own the trainable parameters and their optimizer state: all of them on the first call, a parameter
-        unfrozen since when its new graph first runs."""
+        unfrozen since when the graph that trains it is built."""
         mixed = self.config.mixed_precision
         layouts = compiled.ctx.artifacts.get("layouts") or {
             fqn: ParamLayout(fqn, tuple(p.shape), mixed.param_dtype, world_size)
             for fqn, p in binding.params.items() if p.requires_grad}
-        if self._owned is None:
-            self._owned = ShardedState.take(binding, args, layouts, self.config.stage, rank, mixed)
-            took = True
-        else:
-            took = self._owned.absorb(binding, args, layouts)
-        if took and self.config.stage >= 1:
+        if self._owned is not None:
+            self._owned.absorb(binding, args, layouts)
+            return
+        self._owned = ShardedState.take(binding, args, layouts, self.config.stage, rank, mixed)
+        if self.config.stage >= 1:
             self._owned_parts = guards.owned_parts(key)  # as they were before the originals were released
 
     def _refuse_refreezing(self, binding: StepBinding) -> None:
@@ -214,7 +217,7 @@ class CompiledStep:
         ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes or UNSHARDED_BUCKET_BYTES, c.prefetch,
                           c.reshard_after_forward, reduce_dtype, units, c.unit_cap_bytes)
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
-                                 probe_grads=not self._reads_incoming_grads)
+                                 probe_grads=self._reads_incoming_grads is None)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True)
         self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)

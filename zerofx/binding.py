@@ -156,7 +156,8 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
                           and binding.params[s.fqn].requires_grad else owned)
         elif s.role == Role.PARAM:
             p = binding.params[s.fqn]
-            compute = p.detach().to(mixed.param_dtype) if mixed is not None else p.detach()  # frozen ones too
+            # frozen floating parameters too (integer or bool ones, such as index tables, stay as they are)
+            compute = p.detach().to(mixed.param_dtype) if mixed is not None and p.is_floating_point() else p.detach()
             values.append(compute.requires_grad_(p.requires_grad) if for_trace else compute)
         elif s.role == Role.MASTER:
             values.append(binding.params[s.fqn].detach())

@@ -100,6 +100,9 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             for module, mapping in compute_views:
                 stack.enter_context(stateless._reparametrize_module(module, mapping))
                 stack.enter_context(hook(module.register_forward_pre_hook(forward_start)))
+            if mixed_trace is not None:  # a submodule called directly after backward computes in param_dtype too
+                stack.enter_context(hook(torch.nn.modules.module.register_module_forward_pre_hook(
+                    lambda *_: mixed_trace.show_compute())))
             for oi, opt in enumerate(optimizers):
                 stack.enter_context(swap_optimizer(opt, oi, binding, slots, fakes, {**fake_params, **fake_masters}))
                 stack.enter_context(hook(opt.register_step_pre_hook(

@@ -125,6 +125,9 @@ def drop_superseded_conversions(graph, conversions: list[list]) -> None:
     for nodes in conversions[:-1]:
         members = set(nodes)
         if any(user not in members for n in nodes for user in n.users):
+            for n in nodes:  # read between micro-batches: kept, but the last conversion's flags are the step's
+                for flag in (FOUND_INF, PER_TENSOR_CHECK, MASTER_GRAD):
+                    n.meta.pop(flag, None)
             continue
         for n in reversed(nodes):
             graph.erase_node(n)

@@ -4,10 +4,11 @@ Each step every rank contributes the hash of its guard key (batch shapes, modes,
 all-gather; before a graph first runs, the hash of its code too. On a mismatch every rank learns it from the same
 all-gather, exchanges a description, and raises `RankMismatchError` naming what differs on which rank.
 
-The per-step check is off the critical path: its all-gather is issued as the step begins and awaited only just
-before the step's first collective (`collectives.before_next_collective`), so it overlaps forward. A rank whose key
-changed since its last step awaits it at once instead, before tracing or checking a new graph: then every rank
-meets the others' description exchange from the same point, before any collective of the step.
+The per-step check is issued as the step begins and awaited only just before the step's first collective
+(`collectives.before_next_collective`): at stages 0-2 of a model without buffers that is in backward, so the check
+overlaps forward; where the first collective opens forward (stage 3, buffers to broadcast) it overlaps little. A
+rank whose key changed since its last step awaits it at once instead, before tracing or checking a new graph: then
+every rank meets the others' description exchange from the same point, before any collective of the step.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ class ShardedState:
     rank: int
     layouts: dict[str, ParamLayout]
     mixed: MixedPrecision | None = None
-    params: dict[str, torch.Tensor] = field(default_factory=dict)  # what forward reads (param_dtype if mixed)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # what forward reads or gathers (param_dtype if
+    # mixed; none at stage 3 under mixed precision, whose all-gathers cast the masters)
     masters: dict[str, torch.Tensor] = field(default_factory=dict)  # mixed, stages 1-3: fp32 master shards
     opt_state: dict[tuple[int, str, str], torch.Tensor] = field(default_factory=dict)  # (optimizer, fqn, key)
     sharded_state_keys: set[tuple[int, str, str]] = field(default_factory=set)
@@ -121,8 +122,9 @@ class ShardedState:
             return self.growth_tracker
         if slot.role == Role.PARAM:
             owned = self.params.get(slot.fqn)
-            if owned is None and self.mixed is not None:
-                return self.frozen_compute(slot.fqn, self.module_params[slot.fqn])
+            frozen = self.module_params.get(slot.fqn)
+            if owned is None and self.mixed is not None and frozen is not None and frozen.is_floating_point():
+                return self.frozen_compute(slot.fqn, frozen)
             return owned
         if slot.role == Role.MASTER:
             return self.masters.get(slot.fqn)
@@ -138,8 +140,7 @@ class ShardedState:
             return None  # nothing was released
         if slot.role in (Role.PARAM, Role.MASTER) and slot.fqn in self.layouts:
             layout = self.layouts[slot.fqn]
-            stored = self.masters.get(slot.fqn)
-            stored = self.params[slot.fqn] if stored is None else stored
+            stored = self.stored(slot.fqn)
             dtype = stored.dtype if slot.role == Role.MASTER else layout.dtype
             return torch.empty(layout.shape, dtype=dtype, device=stored.device)
         if slot.role == Role.OPT_STATE and (slot.optimizer, slot.fqn, slot.key) in self.sharded_state_keys:

@@ -83,14 +83,13 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
     state = {"params": params, "grads": grads, "master_params": masters, "optimizer_states": optimizer}
     state["total"] = None if grads is None else params + grads + masters + optimizer
     element = next(iter(binding.params.values())).dtype.itemsize
+    micro = StepGraph(compiled.gm).num_microbatches()
     formula = formulas.formula(config.stage,
                                b_param=mixed.param_dtype.itemsize if mixed else element,
                                b_grad=mixed.grad_dtype.itemsize if mixed else element,
                                k_optimizer=_k_optimizer(binding, args, owned) + (4 if mixed else 0),
                                reshard_after_forward=config.reshard_after_forward,
-                               micro_batches=StepGraph(compiled.gm).num_microbatches(),
-                               casts_masters=mixed is not None)
-    micro = StepGraph(compiled.gm).num_microbatches()
+                               micro_batches=micro, casts_masters=mixed is not None)
     return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),
                      ring_volume([r for r in records if r.purpose == "data"]), state,
                      probe.peak_bytes if probe else None, formula, traces,

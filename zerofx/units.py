@@ -14,7 +14,8 @@ from typing import Callable, Union
 
 import torch.nn as nn
 
-UnitRule = Union[str, type, tuple, Callable[[str, nn.Module], bool], None]
+UnitRule = Union[str, type, tuple, Callable[[str, nn.Module], bool]]
+UNIT_CAP_BYTES = 64 * 2**20  # no unit is larger by default (C_B)
 
 
 def unit_of_params(modules: list[nn.Module], prefixes: list[str], param_aliases: dict[str, str],
@@ -33,15 +34,23 @@ def unit_of_params(modules: list[nn.Module], prefixes: list[str], param_aliases:
     return unit_of
 
 
+def check_rule(rule: UnitRule) -> None:
+    if not (rule == "blocks" or _is_classes(rule) or callable(rule)):
+        raise ValueError(f"units must be 'blocks', a module class, a tuple of classes or a predicate (path, module) "
+                         f"-> bool, got {rule!r}")
+
+
+def _is_classes(rule) -> bool:
+    return isinstance(rule, type) or (isinstance(rule, tuple) and all(isinstance(t, type) for t in rule))
+
+
 def _rule(rule: UnitRule, root: nn.Module) -> Callable[[str, nn.Module], bool]:
+    check_rule(rule)
     if rule == "blocks":
         return _repeated_blocks(root)
-    if isinstance(rule, type) or (isinstance(rule, tuple) and all(isinstance(t, type) for t in rule)):
+    if _is_classes(rule):
         return lambda path, module: isinstance(module, rule)
-    if callable(rule):
-        return rule
-    raise ValueError(f"units must be 'blocks', a module class, a tuple of classes or a predicate (path, module) -> "
-                     f"bool, got {rule!r}")
+    return rule
 
 
 def _repeated_blocks(root: nn.Module) -> Callable[[str, nn.Module], bool]:
