@@ -142,7 +142,7 @@ def load_full_state_then_train(rank, world_size, stage):
             "optimizer_state_released": opt.state[model.wte.weight]["exp_avg"].numel()}
 
 
-def bf16_against_fsdp2(rank, world_size, stage, steps=10, reduce_fp32=False):
+def bf16_against_fsdp2(rank, world_size, stage, steps=10, reduce_fp32=False, bucket_bytes=8 * 1024):
     """zerofx with MixedPrecision(bf16) and FSDP2 with the same MixedPrecisionPolicy, on the same data."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -157,7 +157,7 @@ def bf16_against_fsdp2(rank, world_size, stage, steps=10, reduce_fp32=False):
     fully_shard(fsdp_model, mp_policy=policy)
     fsdp_opt = torch.optim.AdamW(param_groups(fsdp_model, weight_decay=0.1), lr=3e-3)
     model, opt = gpt_and_adamw()
-    step = zerofx.compile(train_step, stage=stage, bucket_bytes=8 * 1024,
+    step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes,
                           mixed_precision=zerofx.MixedPrecision(torch.bfloat16, reduce_dtype))
     ref_losses, losses = train_beside(train_step, step, (fsdp_model, fsdp_opt), (model, opt), token_batch, rank,
                                       steps)

@@ -212,3 +212,10 @@ def test_fp16_overflowing_step_is_skipped_on_every_rank(ranks2, stage):
 def test_a_scalar_parameter_trains_as_under_ddp(ranks2, tmp_path):
     # Adam's moments of a 0-dim parameter are sharded with it; its step counter, also 0-dim, stays whole
     assert ranks2.run(cases.scalar_parameter_matches_ddp, checkpoint_dir=str(tmp_path))[0] == {1: 5.0, 2: 5.0, 3: 5.0}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_default_units_match_ddp_and_fsdp2(ranks2, stage):
+    """No bucket_bytes: gathers and reduce-scatters follow the blocks; fp32 equals DDP, bf16 FSDP2 (same policy)."""
+    assert ranks2.run(cases.parity_with_ddp, stage=stage, bucket_bytes=None)[0]["released_numel"] == 0
+    ranks2.run(cases.bf16_against_fsdp2, stage=stage, bucket_bytes=None)
