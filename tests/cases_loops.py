@@ -4,6 +4,7 @@ Each case runs zerofx beside a referee that shares none of its code: DDP (fp32) 
 ``MixedPrecisionPolicy`` (bf16, and float16 with ``torch.amp.GradScaler``), doing the same thing eagerly.
 """
 
+import functools
 import logging
 
 import torch
@@ -18,19 +19,11 @@ from nanogpt import param_groups
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _zero_grad_last(model, optimizer, x, y):
+def _zero_grad_last(model, optimizer, x, y, set_to_none=True):
     loss = model(x, y)
     loss.backward()
     optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def _zero_grad_last_keep(model, optimizer, x, y):
-    loss = model(x, y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad(set_to_none=set_to_none)
     return loss
 
 
@@ -43,7 +36,9 @@ def _module_zero_grad_last(model, optimizer, x, y):
 
 
 LOOPS = {"zero_grad first": train_step, "zero_grad last": _zero_grad_last,
-         "zero_grad last, set_to_none=False": _zero_grad_last_keep, "model.zero_grad() last": _module_zero_grad_last}
+         # a functools.partial, as users bind extra arguments: it has no __name__ of its own
+         "zero_grad last, set_to_none=False": functools.partial(_zero_grad_last, set_to_none=False),
+         "model.zero_grad() last": _module_zero_grad_last}
 
 
 def assert_matches_ddp(step, ref_model, ref_opt, atol=1e-7):

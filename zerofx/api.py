@@ -203,7 +203,7 @@ class CompiledStep:
         """A new graph for ``key``, cached; the key it is cached under (with the gradients' presence once the
         step is known to read incoming gradients)."""
         if self._last_key is not None:
-            log.warning("zerofx: re-tracing %s because %s", self.train_step.__name__,
+            log.warning("zerofx: re-tracing %s because %s", self._name,
                         guards.describe_change(self._last_key, key))
         dump_dir = self.config.dump_dir
         if dump_dir and self._traces:
@@ -227,10 +227,15 @@ class CompiledStep:
             if self._traces == c.max_traces + 1:  # once: from here on, every new key evicts
                 log.warning("zerofx: %s has traced %d graphs, more than max_traces=%d: the least recently used is "
                             "evicted from now on; what keeps changing: %s",
-                            self.train_step.__name__, self._traces, c.max_traces,
+                            self._name, self._traces, c.max_traces,
                             ", ".join(guards.varying_parts([dict(k) for k in self._cache])))
             self._cache.popitem(last=False)
         return compiled, key
+
+    @property
+    def _name(self) -> str:
+        """The train step's name for messages; a ``functools.partial`` has none of its own."""
+        return getattr(self.train_step, "__name__", None) or repr(self.train_step)
 
     def graph(self, name: str | None = None) -> fx.GraphModule:
         """The final graph of the last step, or the graph after capture ("capture") or after the named pass."""
