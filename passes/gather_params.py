@@ -34,7 +34,8 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     bucket's first use, so gathered bytes alive are those of at most prefetch + 1 buckets, less what already died.
     A parameter read again after other buckets were gathered (a tied embedding and head) stays gathered until then if
     it is no larger than the largest other unit, and is gathered again otherwise. With ``ctx.reshard_after_forward``
-    (default) backward gathers again the same way, in backward's order of first use and only what backward reads (not biases), and recomputes the views
+    (default) backward gathers again the same way, in backward's order of first use and only what backward reads
+    (not biases), and recomputes the views
     forward took of a parameter (``t(w)``) from the new copy; without it backward reads forward's copies, kept alive
     between the two. The optimizer keeps updating the shard. Leaves ``ctx.artifacts["gather_buckets"]`` (the units)
     ``ctx.artifacts["gathers"]`` (phase, bucket) for each all-gather issued in the first micro-batch and

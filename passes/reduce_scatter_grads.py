@@ -21,7 +21,8 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
 
     Guarantees: gradients are grouped, in the order backward produces them, at stages 2-3 into the model's units
     (as ``gather_params`` groups parameters), at stage 1 (or given ``bucket_bytes``) into buckets whose padded size is
-    at most ``ctx.bucket_bytes`` (one parameter larger than that travels alone). Each bucket is packed rank-major, divided by
+    at most ``ctx.bucket_bytes`` (one parameter larger than that travels alone). Each bucket is packed rank-major,
+    divided by
     N and reduce-scattered:
     - stage 1 (P_os): once, after the last backward, so full gradients live (and accumulate) until then, as the
       paper's stage 1 keeps them;

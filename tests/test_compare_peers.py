@@ -16,7 +16,8 @@ from peers.report import losses_agree
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("peers")
     path, runs = compare_peers.main(["--size", "tiny", "--worlds", "2", "--rounds", "1", "--warmup", "1",
-                                     "--steps", "2", "--precisions", "fp32", "--skip", "deepspeed", "--out", str(out), "--date", "test"])
+                                     "--steps", "2", "--precisions", "fp32", "--skip", "deepspeed", "--out", str(out),
+                                     "--date", "test"])
     return path, runs[0], {(r["name"], r["precision"]): r for r in runs[0]["results"]}
 
 

@@ -71,7 +71,8 @@ def test_stage3_gathered_buckets_live_only_from_prefetch_to_last_use(prefetch):
             previous = first_reads[i - prefetch - 1] if i - prefetch - 1 >= 0 else -1
             assert previous < sg.order[g] <= earliest
     forward = [b for phase, b in ctx.artifacts["gathers"] if phase == Phase.FORWARD]
-    assert len(forward) == len([n for n in _calls(gm, collectives.all_gather_coalesced) if tag(n).phase == Phase.FORWARD])
+    gathers = [n for n in _calls(gm, collectives.all_gather_coalesced) if tag(n).phase == Phase.FORWARD]
+    assert len(forward) == len(gathers)
     # every bucket once; the tied embedding (7,808 bytes, under the largest bucket) stays gathered for the head
     assert [b.names for b in forward] == [b.names for b in ctx.artifacts["gather_buckets"]]
     assert ctx.artifacts["kept_gathered"] == ["wte.weight"]

@@ -15,7 +15,8 @@ from zerofx.state_dict import full_state_dict, load_state_dict, state_dict
 from zerofx.stats import StepStats
 
 __all__ = [
-    "compile", "CompiledStep", "Config", "MixedPrecision", "LossScaling", "CaptureError", "CheckpointError", "RankMismatchError",
+    "compile", "CompiledStep", "Config", "MixedPrecision", "LossScaling", "CaptureError", "CheckpointError",
+    "RankMismatchError",
     "state_dict", "load_state_dict", "full_state_dict", "checkpoint", "StepStats", "CollectiveRecord",
     "LiveStorageTracker", "report", "passes",
 ]

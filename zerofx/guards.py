@@ -2,7 +2,8 @@
 
 Parameter and buffer shapes, dtypes, devices and ``requires_grad``; which parameters have a ``.grad`` (for a
 step that reads incoming gradients); every module's train/eval mode; the optimizer's type, groups, state layout and
-its hyperparameters that are not graph inputs; the batch's structure, shapes and dtypes and any non-tensor argument's value. Of a hyperparameter that is a
+its hyperparameters that are not graph inputs; the batch's structure, shapes and dtypes and any non-tensor
+argument's value. Of a hyperparameter that is a
 graph input the key holds only the branch torch.optim takes on it (``momentum != 0``), never its value.
 """
 

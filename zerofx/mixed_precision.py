@@ -3,7 +3,8 @@
 The names follow FSDP2's ``MixedPrecisionPolicy``. The step is traced with the module's parameters in
 ``param_dtype`` (so forward and backward run, and gradients come out, in that dtype; frozen parameters too) while
 the optimizer is pointed at fp32 master copies: after backward each master's gradient is the compute gradient cast
-to fp32 (and unscaled), and after the optimizer's step each compute parameter is the updated master cast back. Passes shard the master weights with the optimizer state
+to fp32 (and unscaled), and after the optimizer's step each compute parameter is the updated master cast back.
+Passes shard the master weights with the optimizer state
 (P_os) and move compute parameters and gradients in the low precision: the paper's b_p = b_g = 2, K = 4 + 8.
 """
 
