@@ -1,5 +1,5 @@
 """A small GPT in the style of nanoGPT: token and position embeddings, causal self-attention, LayerNorm, MLP,
-and an output head tied to the input embedding."""
+an output head tied to the input embedding, and dropout (off by default)."""
 
 from dataclasses import dataclass
 
@@ -15,12 +15,14 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 2
     n_embd: int = 32
+    dropout: float = 0.0
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
@@ -28,8 +30,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return F.dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -38,7 +40,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+                                 nn.Dropout(cfg.dropout))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -66,7 +69,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets):
         pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = F.dropout(self.wte(idx) + self.wpe(pos), self.cfg.dropout, self.training)
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))

@@ -4,6 +4,7 @@ Every pass is ``(GraphModule, PassContext) -> GraphModule`` and states in its do
 guarantees. Contents, in pipeline order:
 
 - ``remove_profiler_ops``: drop torch.optim's record_function markers.
+- ``checkpoint_activations``: checkpointed regions keep their inputs; backward recomputes the rest (ZeRO-R).
 - ``skip_nonfinite_update``: float16 loss scaling, ranks agree on overflow and such a step changes nothing.
 - ``broadcast_buffers``: rank 0's buffers broadcast before forward (DDP's default).
 - ``bucket_allreduce``: stage 0, bucketed gradient all-reduce as gradients become ready.
@@ -28,6 +29,7 @@ from zerofx.passes.allgather_params import allgather_params
 from zerofx.passes.broadcast_buffers import broadcast_buffers
 from zerofx.passes.bucket_allreduce import bucket_allreduce
 from zerofx.passes.cast_params_at_gather import cast_params_at_gather
+from zerofx.passes.checkpoint_activations import checkpoint_activations
 from zerofx.passes.context import PassContext
 from zerofx.passes.pipeline import Pipeline, pipeline
 from zerofx.passes.gather_params import gather_params
@@ -39,6 +41,6 @@ from zerofx.passes.shard_optimizer_state import shard_optimizer_state
 from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 
 __all__ = ["PassContext", "Pipeline", "pipeline", "allgather_params", "broadcast_buffers", "bucket_allreduce",
-           "cast_params_at_gather",
+           "cast_params_at_gather", "checkpoint_activations",
            "gather_params", "global_grad_norm", "propagate_shard_shapes", "reduce_scatter_grads", "remove_profiler_ops",
            "shard_optimizer_state", "skip_nonfinite_update"]

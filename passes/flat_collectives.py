@@ -21,7 +21,8 @@ from zerofx.step_graph import Phase
 
 aten = torch.ops.aten
 
-CATEGORY = "zerofx_category"  # node.meta key: what a buffer holds ("grad", "gathered_param"), for memory reports
+# node.meta key: what a buffer holds ("grad", "gathered_param", "comm_buffer": a packed copy sent), for memory reports
+CATEGORY = "zerofx_category"
 
 
 def categorize(node: fx.Node, category: str) -> fx.Node:
@@ -81,6 +82,7 @@ def pack_rank_major(graph: fx.Graph, fulls: list[fx.Node], layouts: list[ParamLa
     # cat copies; a lone row is cloned so the collective never divides the gradient itself in place
     packed = add_call(graph, aten.cat.default, (rows, 1), like=like, phase=phase) if len(rows) > 1 else \
         add_call(graph, aten.clone.default, (rows[0],), like=like, phase=phase)
+    categorize(packed, "comm_buffer")
     return add_call(graph, aten.view.default, (packed, [-1]), like=like, phase=phase)
 
 

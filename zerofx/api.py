@@ -43,6 +43,7 @@ class Config:
     max_traces: int = 8  # graphs kept, one per guard key; beyond it the least recently used is evicted
     units: UnitRule = "blocks"  # what a communication unit is (zerofx.units), unless bucket_bytes is given
     unit_cap_bytes: int = UNIT_CAP_BYTES  # no unit is larger (C_B)
+    checkpoint: UnitRule | None = None  # modules whose activations backward recomputes ("blocks", classes, predicate)
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -50,6 +51,8 @@ class Config:
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         check_rule(self.units)
+        if self.checkpoint is not None:
+            check_rule(self.checkpoint, "checkpoint")
         if self.unit_cap_bytes <= 0:
             raise ValueError(f"unit_cap_bytes must be positive, got {self.unit_cap_bytes}")
         if self.prefetch < 0:
@@ -61,7 +64,8 @@ class Config:
 def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None, prefetch: int = 1,
             reshard_after_forward: bool = True, mixed_precision: MixedPrecision | None = None,
             dump_dir: str | None = None, verify_ranks: bool = True, track_memory: bool = False,
-            max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = UNIT_CAP_BYTES):
+            max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = UNIT_CAP_BYTES,
+            checkpoint: UnitRule | None = None):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
@@ -71,11 +75,13 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     and after each pass. At most ``max_traces`` graphs are kept (one per guard key, least recently used evicted).
     Stage 3 gathers parameters, and stages 2-3 reduce-scatter gradients, by the model's ``units`` (each repeated block
     by default; module classes or a predicate ``(path, module) -> bool`` otherwise; at most ``unit_cap_bytes``);
-    ``bucket_bytes=N`` instead groups every collective into buckets of at most N bytes.
+    ``bucket_bytes=N`` instead groups every collective into buckets of at most N bytes. ``checkpoint`` (the same
+    kinds of rule as ``units``) keeps only the inputs of each picked module's forward and recomputes the rest in
+    backward, drawing the same random numbers.
     """
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
                     dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision,
-                    max_traces, units, unit_cap_bytes)
+                    max_traces, units, unit_cap_bytes, checkpoint)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -217,7 +223,7 @@ class CompiledStep:
         ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes or UNSHARDED_BUCKET_BYTES, c.prefetch,
                           c.reshard_after_forward, reduce_dtype, units, c.unit_cap_bytes)
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
-                                 probe_grads=self._reads_incoming_grads is None)
+                                 probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True)
         self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)

@@ -30,9 +30,12 @@ from torch.nn.utils import stateless
 from zerofx import optim_support
 from zerofx.binding import StepBinding, input_slots, input_values
 from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
+from zerofx.rng import traced_rng_state
 from zerofx.mixed_precision import MixedPrecision, MixedPrecisionTrace, drop_superseded_conversions
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, is_mutating, storage_root
-from zerofx.trace_events import PhaseRecorder, hook, on_optimizer_start, swap_optimizer, track_backward
+from zerofx.trace_events import (PhaseRecorder, RegionRecorder, hook, on_optimizer_start, swap_optimizer,
+                                 track_backward)
+from zerofx.units import UnitRule, picked_modules
 
 
 @dataclass
@@ -46,11 +49,12 @@ class CapturedStep:
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
             override: Callable[[Slot], Any] | None = None, mixed: MixedPrecision | None = None,
-            grads: list[str] = ()) -> CapturedStep:
+            grads: list[str] = (), checkpoint: UnitRule | None = None) -> CapturedStep:
     """Trace ``train_step(*args)`` with fake tensors into a tagged ATen graph. Nothing real is computed or changed.
     ``override`` supplies stand-ins for state the module no longer holds (a sharded step re-tracing); ``mixed``
     traces forward and backward in its ``param_dtype`` with the optimizer on fp32 master weights; ``grads`` names
-    the parameters whose ``.grad`` the step finds set (the graph keeps those it reads as inputs)."""
+    the parameters whose ``.grad`` the step finds set (the graph keeps those it reads as inputs); the forward nodes of
+    each module ``checkpoint`` picks are marked as a region (`RegionRecorder`) for the pass that recomputes them."""
     optimizers = binding.optimizers(args)
     modules = binding.modules(args)
     for opt in optimizers:
@@ -59,6 +63,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     real_inputs = input_values(binding, args, slots, for_trace=True, override=override, mixed=mixed)
     batch_structure = binding.batch(args)
     recorder = PhaseRecorder()
+    regions = RegionRecorder(recorder)
+    checkpointed = [] if checkpoint is None else picked_modules(modules, binding.module_prefixes, checkpoint)
     out_slots: list[tuple[Slot, bool]] = []  # (slot, keep as a graph output)
     out_meta: dict[str, Any] = {}
     mixed_traces: list[MixedPrecisionTrace] = []  # made inside the trace, read after it
@@ -109,6 +115,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                     lambda *_: on_optimizer_start(recorder, fake_params))))
                 stack.enter_context(hook(opt.register_step_post_hook(lambda o, *_: optimizer_end(o))))
             stack.enter_context(track_backward(recorder, fake_params, mixed_trace))
+            for path, module in checkpointed:
+                stack.enter_context(regions.watch(path, module))
             user_out = train_step(*call_args)
             if mixed_trace is not None:
                 mixed_trace.at_step_end()
@@ -119,7 +127,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     # make_fx keeps source lines of frames named "forward" only; the train step's own lines matter as much
     torch.fx.proxy._register_stack_trace_anchor(train_step)
     try:
-        gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(*real_inputs)
+        with traced_rng_state():  # torch.utils.checkpoint's saved generator state: ops in the graph
+            gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(*real_inputs)
     except (GuardOnDataDependentSymNode, DataDependentOutputException) as e:
         source = user_frame(e.__traceback__)
         construct = ("Python control flow on .item(): a number read from a tensor decides a branch"

@@ -74,12 +74,15 @@ class StepProbe(fx.Interpreter):
     - ``peak_bytes`` and ``at_peak``, the bytes alive at that moment by what they hold;
     - ``high_water``, per category the most bytes alive at once, each at its own moment (gathered parameters
       peak where their buckets are in flight, which need not be the overall peak);
+    - ``activation_bytes``, the most activation bytes alive at once while forward and backward run (the optimizer's
+      temporaries, also counted as activations, come after);
     - ``grad_bytes``, gradient storage alive when backward ends (its last node, after the reduce-scatters a stage
       issues inside backward).
 
     What a storage holds comes from the graph: the role of the input it entered by (parameters, optimizer state,
     batch), gradients (nodes backward leaves as gradients, buffers a communication pass marks ``grad``), gathered
-    parameters (buffers a pass marks ``gathered_param``); everything else forward and backward allocate counts as
+    parameters (buffers a pass marks ``gathered_param``), packed copies of gradients sent by a collective
+    (``comm_buffer``); everything else forward and backward allocate counts as
     ``activations`` (saved activations and temporaries alike). How many bytes comes from the storages themselves.
     """
 
@@ -90,6 +93,7 @@ class StepProbe(fx.Interpreter):
         self._category: dict[int, tuple[StorageWeakRef, str]] = {}  # live storages; a freed one's key is reused
         self._tracker: LiveStorageTracker | None = None
         self.grad_bytes = 0
+        self.activation_bytes = 0
         self.peak_bytes = 0
         self.at_peak: dict[str, int] = {}
         self.high_water: dict[str, int] = {}
@@ -123,6 +127,8 @@ class StepProbe(fx.Interpreter):
                 self.high_water[name] = nbytes
         if self._tracker.live_bytes >= sum(self.at_peak.values()):
             self.at_peak = live_by_category
+        if n.op == "call_function" and tag(n).phase != Phase.OPTIMIZER:  # after every input is categorized
+            self.activation_bytes = max(self.activation_bytes, live_by_category.get("activations", 0))
         if n is self._end_of_backward:
             self.grad_bytes = live_by_category.get("grads", 0)
         return result
@@ -130,6 +136,7 @@ class StepProbe(fx.Interpreter):
 
 _INPUT_CATEGORY = {Role.PARAM: "params", Role.OPT_STATE: "optimizer_states", Role.BATCH: "batch",
                    Role.BUFFER: "buffers", Role.GRAD_IN: "grads"}
+_PASS_CATEGORY = {"gathered_param": "gathered_params", "comm_buffer": "comm_buffers"}
 
 
 def _category_of(n: fx.Node) -> str:
@@ -138,9 +145,7 @@ def _category_of(n: fx.Node) -> str:
         return _INPUT_CATEGORY.get(t.slots[0].role, "activations")
     if (t is not None and t.has(Role.GRAD)) or n.meta.get("zerofx_category") == "grad":
         return "grads"
-    if n.meta.get("zerofx_category") == "gathered_param":
-        return "gathered_params"
-    return "activations"
+    return _PASS_CATEGORY.get(n.meta.get("zerofx_category"), "activations")
 
 
 def storage_bytes(tensors) -> int:

@@ -19,6 +19,7 @@ from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext, pipeline
 from zerofx.sharded_state import ShardedState
 from zerofx.step_graph import Role, Slot, StepGraph
+from zerofx.units import UnitRule
 
 
 @dataclass
@@ -51,14 +52,18 @@ def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
-          state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool) -> CompiledGraph:
+          state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool,
+          checkpoint: UnitRule | None = None) -> CompiledGraph:
     """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
-    learn whether the step reads them; if it reads one that this call does not have, capture again without."""
+    learn whether the step reads them; if it reads one that this call does not have, capture again without.
+    ``checkpoint`` picks the modules whose activations backward recomputes."""
     override = state.trace_value if state else None
-    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe_grads))
+    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe_grads),
+                       checkpoint)
     read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
     if not read <= set(present_grads(binding)):
-        captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=False))
+        captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=False),
+                           checkpoint)
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")

@@ -32,6 +32,11 @@ class StepStats:
     # what the communication differs from the formula by: (what, elements sent per rank), summing to the difference
     comm_vs_formula: list[tuple[str, float]] = field(default_factory=list)
     units: list[str] = field(default_factory=list)  # each communication unit: path or parameters, bytes, why cut
+    activation_bytes: int | None = None  # the most bytes forward and backward allocate alive at once (track_memory)
+    # activation checkpointing: regions recomputed, the FLOPs backward spends recomputing, the saved inputs' bytes
+    recomputed_regions: int = 0
+    recomputed_flops: int = 0
+    checkpoint_bytes: int = 0
 
     @property
     def comm_volume_psi(self) -> float:
@@ -90,10 +95,13 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
                                k_optimizer=_k_optimizer(binding, args, owned) + (4 if mixed else 0),
                                reshard_after_forward=config.reshard_after_forward,
                                micro_batches=micro, casts_masters=mixed is not None)
+    recomputed = compiled.ctx.artifacts.get("recomputed", {}).values()
     return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),
                      ring_volume([r for r in records if r.purpose == "data"]), state,
                      probe.peak_bytes if probe else None, formula, traces,
-                     _comm_vs_formula(compiled.ctx, owned, formula, micro), _describe_units(compiled.ctx))
+                     _comm_vs_formula(compiled.ctx, owned, formula, micro), _describe_units(compiled.ctx),
+                     probe.activation_bytes if probe else None, len(recomputed),
+                     sum(r.flops for r in recomputed), sum(r.checkpoint_bytes for r in recomputed))
 
 
 def _comm_vs_formula(ctx, owned, formula: formulas.Formula, micro: int) -> list[tuple[str, float]]:

@@ -71,6 +71,44 @@ class PhaseRecorder:
                 node.meta[TAG] = NodeTag(Phase.OPTIMIZER if node.op == "output" else Phase.FORWARD, self.microbatch)
 
 
+REGION = "zerofx_region"  # node.meta: the checkpointed module call whose forward made the node
+
+
+class RegionRecorder:
+    """Marks the nodes each forward call of a checkpointed module makes with ``node.meta[REGION]``: its path and
+    the call's number (a block called twice, or once per micro-batch, is two regions). A module picked inside a
+    picked module belongs to the outer region; a module run again during backward (reentrant checkpointing) is no
+    region."""
+
+    def __init__(self, recorder: PhaseRecorder):
+        self.recorder = recorder
+        self.depth = 0
+        self.start: fx.Node | None = None
+        self.calls: dict[str, int] = {}
+
+    def watch(self, path: str, module) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(hook(module.register_forward_pre_hook(lambda *_: self._enter())))
+        stack.enter_context(hook(module.register_forward_hook(lambda *_: self._leave(path))))
+        return stack
+
+    def _enter(self) -> None:
+        if self.depth == 0:
+            self.start = next(reversed(get_proxy_mode().tracer.graph.nodes))
+        self.depth += 1
+
+    def _leave(self, path: str) -> None:
+        self.depth -= 1
+        if self.depth or self.recorder.phase != Phase.FORWARD:
+            return
+        call = self.calls.get(path, 0)
+        self.calls[path] = call + 1
+        node = self.start.next
+        while node.op != "root":
+            node.meta[REGION] = f"{path}#{call}"
+            node = node.next
+
+
 @contextlib.contextmanager
 def hook(handle):
     try:

@@ -23,20 +23,25 @@ def unit_of_params(modules: list[nn.Module], prefixes: list[str], param_aliases:
     """fqn -> the path of the outermost module the rule picks that holds the parameter; parameters in none are left
     out. ``prefixes`` are the names the step gives each module argument's parameters ("" for a single module)."""
     unit_of: dict[str, str] = {}
-    for module, prefix in zip(modules, prefixes):
-        picks = _rule(rule, module)
-        for path, sub in module.named_modules(remove_duplicate=False):
-            if not path or not picks(path, sub):
-                continue
-            for name, _ in sub.named_parameters(prefix=path, remove_duplicate=False):
-                fqn = param_aliases[prefix + name]
-                unit_of.setdefault(fqn, prefix + path)  # pre-order: the outermost unit wins
+    for path, sub in picked_modules(modules, prefixes, rule):
+        for name, _ in sub.named_parameters(remove_duplicate=False):
+            unit_of.setdefault(param_aliases[f"{path}.{name}"], path)  # pre-order: the outermost unit wins
     return unit_of
 
 
-def check_rule(rule: UnitRule) -> None:
+def picked_modules(modules: list[nn.Module], prefixes: list[str], rule: UnitRule) -> list[tuple[str, nn.Module]]:
+    """(path, module) for every submodule the rule picks, in pre-order (an outer module before the ones inside)."""
+    picked = []
+    for module, prefix in zip(modules, prefixes):
+        picks = _rule(rule, module)
+        picked += [(prefix + path, sub) for path, sub in module.named_modules(remove_duplicate=False)
+                   if path and picks(path, sub)]
+    return picked
+
+
+def check_rule(rule: UnitRule, argument: str = "units") -> None:
     if not (rule == "blocks" or _is_classes(rule) or callable(rule)):
-        raise ValueError(f"units must be 'blocks', a module class, a tuple of classes or a predicate (path, module) "
+        raise ValueError(f"{argument} must be 'blocks', a module class, a tuple of classes or a predicate (path, module) "
                          f"-> bool, got {rule!r}")
 
 

@@ -1,0 +1,170 @@
+"""Activation checkpointing: a checkpointed region keeps its inputs, and backward recomputes what it needs from them.
+
+Capture marks the forward nodes of each call of a checkpointed module (``zerofx.compile(checkpoint=...)``) with its
+region. Backward reads some of those nodes' values (what autograd saved); this pass gives backward copies of the
+region's nodes instead, placed just before backward first reads one, so the originals die as forward ends. A
+region's outputs (read by forward after it) and collectives are not recomputed: they stay as saved. Stage 3 runs
+after this pass, so a recomputed node reads its parameters the way backward does: gathered again, never saved.
+
+Random ops draw what forward drew: the generator's state is read before the region's first random op, and the
+recompute runs from that state and restores the generator after, so a step is bitwise the step without
+checkpointing and later draws are unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from zerofx import collectives
+from zerofx.passes.context import PassContext
+from zerofx.passes.graph_edit import add_call, fake_mode_of
+from zerofx.rng import GET, SET
+from zerofx.step_graph import TAG, NodeTag, Phase, is_mutating, storage_root, tag
+from zerofx.trace_events import REGION
+
+log = logging.getLogger("zerofx")
+
+RECOMPUTED = "zerofx_recomputed"  # node.meta flag: a copy of a forward node that backward runs
+
+
+def checkpoint_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Expects: a captured graph, forward nodes of checkpointed module calls marked ``node.meta[REGION]`` (none:
+    the graph is left as it is). Guarantees: no backward node reads a value a region computed, other than the
+    region's outputs; each region's needed nodes are copied (tagged backward, ``meta[RECOMPUTED]``) right before
+    their first backward reader; random ops replay the forward's generator state. A region that writes into a
+    tensor made outside it, or whose inputs are written before backward, is left as it is, with a warning. Leaves
+    ``ctx.artifacts["recomputed"]``: region -> `Recomputed` (nodes copied, their FLOPs, the bytes of the
+    activations the recompute starts from)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    regions: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if REGION in node.meta and node.op == "call_function" and tag(node).phase == Phase.FORWARD:
+            regions.setdefault(node.meta[REGION], []).append(node)
+    recomputed = {}
+    for name, members in regions.items():
+        copies = _recompute(graph, name, members, order)
+        if copies:
+            recomputed[name] = Recomputed(len(copies), _flops(graph, copies), _checkpoint_bytes(copies))
+    ctx.artifacts["recomputed"] = recomputed
+    gm.recompile()
+    return gm
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    nodes: int
+    flops: int  # of the recomputed ops, by torch.utils.flop_counter (matmuls and attention)
+    checkpoint_bytes: int  # the region's saved inputs that forward computed (not parameters or the batch)
+
+
+def _recompute(graph: fx.Graph, name: str, members: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
+    member_set = set(members)
+    kept = {m for m in members if _kept(m, member_set)}
+    read_back = [m for m in members if m not in kept and _backward_users(m)]
+    if not read_back:
+        return []
+    randoms = [m for m in members if _is_random(m)]
+    needed = _closure(read_back + randoms, member_set, kept)
+    first_read = min((u for m in read_back for u in _backward_users(m)), key=order.__getitem__)
+    problem = _unsafe(needed, member_set, order, first_read)
+    if problem:
+        log.warning("zerofx: region %s is not recomputed: %s", name, problem)
+        return []
+    states = _save_rng_states(graph, randoms)
+    copies: dict[fx.Node, fx.Node] = {}
+    with graph.inserting_before(first_read):
+        current = {device: add_call(graph, GET, (device,), like=first_read) for device in states}
+        for device, state in states.items():
+            add_call(graph, SET, (state, device), like=first_read)
+        for node in sorted(needed, key=order.__getitem__):
+            copy = graph.node_copy(node, lambda n: copies.get(n, n))
+            copy.meta[TAG] = NodeTag(Phase.BACKWARD, tag(first_read).microbatch)
+            copy.meta[RECOMPUTED] = True
+            del copy.meta[REGION]
+            copies[node] = copy
+        for device, saved in current.items():
+            add_call(graph, SET, (saved, device), like=first_read)
+    for member in read_back:
+        for user in _backward_users(member):
+            user.replace_input_with(member, copies[member])
+    return list(copies.values())
+
+
+def _kept(node: fx.Node, members: set[fx.Node]) -> bool:
+    """A region output (forward reads it after the region) or a collective: saved, not recomputed."""
+    if node.target in collectives.COLLECTIVES or getattr(node.target, "namespace", None) == "_c10d_functional":
+        return True
+    return any(u not in members and tag(u) is not None and tag(u).phase == Phase.FORWARD for u in node.users)
+
+
+def _backward_users(node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if tag(u) is not None and tag(u).phase == Phase.BACKWARD]
+
+
+def _is_random(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+
+
+def _closure(wanted: list[fx.Node], members: set[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
+    """The members ``wanted`` depends on, through members that are not kept, with every in-place write into the
+    storages they use (through views too)."""
+    needed: set[fx.Node] = set()
+    writes = [m for m in members if is_mutating(m)]
+    frontier = list(wanted)
+    while frontier:
+        while frontier:
+            node = frontier.pop()
+            if node not in needed:
+                needed.add(node)
+                frontier += [a for a in node.all_input_nodes if a in members and a not in kept]
+        roots = {storage_root(n) for n in needed}
+        frontier = [w for w in writes if w not in needed and storage_root(w) in roots]
+    return needed
+
+
+def _unsafe(needed: set[fx.Node], members: set[fx.Node], order: dict[fx.Node, int], first_read: fx.Node) -> str:
+    """Why recomputing ``needed`` before ``first_read`` would not give the forward's values ('' if it would)."""
+    for node in needed:
+        if is_mutating(node) and storage_root(node) not in members:
+            return f"{node.format_node()} writes into a tensor made outside the region"
+    inputs = {storage_root(a) for n in needed for a in n.all_input_nodes if a not in needed}
+    start = min(order[n] for n in needed)
+    for node, position in order.items():
+        if start < position < order[first_read] and node not in members and is_mutating(node) \
+                and storage_root(node) in inputs:
+            return f"{node.format_node()} writes into an input of the region before backward reads it"
+    return ""
+
+
+def _save_rng_states(graph: fx.Graph, randoms: list[fx.Node]) -> dict[torch.device, fx.Node]:
+    """Device -> a node reading that device's generator state just before the region's first random op on it."""
+    states = {}
+    for node in randoms:
+        device = next(v for v in pytree.tree_leaves(node.meta["val"]) if isinstance(v, torch.Tensor)).device
+        if device not in states:
+            with graph.inserting_before(node):
+                states[device] = add_call(graph, GET, (device,), like=node)
+    return states
+
+
+def _flops(graph: fx.Graph, nodes: list[fx.Node]) -> int:
+    with fake_mode_of(graph), FlopCounterMode(display=False) as counter:
+        for node in nodes:
+            args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+            node.target(*args, **kwargs)
+    return counter.get_total_flops()
+
+
+def _checkpoint_bytes(copies: list[fx.Node]) -> int:
+    """Bytes of the distinct storages forward computed that the copies read (what the region keeps for them)."""
+    inside = set(copies)
+    roots = {storage_root(a) for c in copies for a in c.all_input_nodes if a not in inside}
+    return sum(r.meta["val"].untyped_storage().nbytes() for r in roots
+               if r.op == "call_function" and isinstance(r.meta.get("val"), torch.Tensor))
