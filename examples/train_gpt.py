@@ -26,6 +26,9 @@ parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--bucket-mb", type=float, default=None,
                     help="buckets of this size instead of the units zerofx finds in the model (one block each)")
 parser.add_argument("--prefetch", type=int, default=1, help="stage 3: all-gathers issued this many units ahead")
+parser.add_argument("--checkpoint", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--activation-budget", type=float, default=None,
+                    help="with checkpointing: the fraction of the blocks' activations kept (the rest recomputed)")
 parser.add_argument("--dump-dir", default=None, help="write the graph after capture and after each pass here")
 parser.add_argument("--report", action="store_true", help="measure memory and print zerofx.report at the end")
 parser.add_argument("--ckpt-dir", default=None, help="save a sharded checkpoint here every --save-every steps")
@@ -70,6 +73,7 @@ bucket_bytes = None if args.bucket_mb is None else int(args.bucket_mb * 2**20)  
 
 
 @zerofx.compile(stage=args.stage, bucket_bytes=bucket_bytes, prefetch=args.prefetch,
+                checkpoint="blocks" if args.checkpoint else None, activation_budget=args.activation_budget,
                 dump_dir=args.dump_dir, track_memory=args.report)
 def train_step(model, optimizer, x, y):
     optimizer.zero_grad()

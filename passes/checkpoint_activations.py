@@ -6,8 +6,13 @@ region's nodes instead, placed just before backward first reads one, so the orig
 region's outputs (read by forward after it) and collectives are not recomputed: they stay as saved. Stage 3 runs
 after this pass, so a recomputed node reads its parameters the way backward does: gathered again, never saved.
 
-Random ops draw what forward drew: the generator's state is read before the region's first random op, and the
-recompute runs from that state and restores the generator after, so a step is bitwise the step without
+With ``ctx.activation_budget`` (a fraction) a region keeps more than its inputs: of the values backward reads from
+the regions, those worth most recompute time per byte are kept, up to that fraction of their bytes (a knapsack,
+functorch's ``dp_knapsack``, over each value's bytes and its recompute cost: FLOPs, and at least one per element
+for the memory-bound ops); the rest is recomputed. 1.0 recomputes nothing backward reads, 0.0 keeps only inputs.
+
+Random ops draw what forward drew: when a random op is recomputed, the generator's state is read before the
+region's first random op, every random op of the region is recomputed from that state, and the recompute and restores the generator after, so a step is bitwise the step without
 checkpointing and later draws are unchanged.
 """
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
 from torch.utils.flop_counter import FlopCounterMode
 
 from zerofx import collectives
@@ -47,9 +53,10 @@ def checkpoint_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     for node in graph.nodes:
         if REGION in node.meta and node.op == "call_function" and tag(node).phase == Phase.FORWARD:
             regions.setdefault(node.meta[REGION], []).append(node)
+    saved = set() if ctx.activation_budget is None else _kept_by_budget(graph, regions, ctx.activation_budget, order)
     recomputed = {}
     for name, members in regions.items():
-        copies = _recompute(graph, name, members, order)
+        copies = _recompute(graph, name, members, saved, order)
         if copies:
             recomputed[name] = Recomputed(len(copies), _flops(graph, copies), _checkpoint_bytes(copies))
     ctx.artifacts["recomputed"] = recomputed
@@ -64,14 +71,17 @@ class Recomputed:
     checkpoint_bytes: int  # the region's saved inputs that forward computed (not parameters or the batch)
 
 
-def _recompute(graph: fx.Graph, name: str, members: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
+def _recompute(graph: fx.Graph, name: str, members: list[fx.Node], saved: set[fx.Node],
+               order: dict[fx.Node, int]) -> list[fx.Node]:
     member_set = set(members)
-    kept = {m for m in members if _kept(m, member_set)}
+    kept = {m for m in members if _kept(m, member_set) or m in saved}
     read_back = [m for m in members if m not in kept and _backward_users(m)]
     if not read_back:
         return []
-    randoms = [m for m in members if _is_random(m)]
-    needed = _closure(read_back + randoms, member_set, kept)
+    needed = _closure(read_back, member_set, kept)
+    # a draw recomputed replays the region's generator state: then every draw of the region runs again, in order
+    randoms = [m for m in members if _is_random(m)] if any(_is_random(n) for n in needed) else []
+    needed |= _closure(randoms, member_set, kept)
     first_read = min((u for m in read_back for u in _backward_users(m)), key=order.__getitem__)
     problem = _unsafe(needed, member_set, order, first_read)
     if problem:
@@ -95,6 +105,30 @@ def _recompute(graph: fx.Graph, name: str, members: list[fx.Node], order: dict[f
         for user in _backward_users(member):
             user.replace_input_with(member, copies[member])
     return list(copies.values())
+
+
+def _kept_by_budget(graph: fx.Graph, regions: dict[str, list[fx.Node]], budget: float,
+                    order: dict[fx.Node, int]) -> set[fx.Node]:
+    """The storages backward reads from the regions that the knapsack keeps within ``budget`` of their bytes. A
+    storage written in place (a dropout mask) is never a candidate: it is recomputed."""
+    candidates = []
+    for members in regions.values():
+        member_set = set(members)
+        written = {storage_root(m) for m in members if is_mutating(m)}
+        roots = {storage_root(m) for m in members if not _kept(m, member_set) and _backward_users(m)}
+        candidates += sorted((r for r in roots if r in member_set and r not in written and not _kept(r, member_set)),
+                             key=order.__getitem__)
+    sizes = [_nbytes(r) for r in candidates]
+    if not candidates or sum(sizes) == 0:
+        return set()
+    costs = [float(max(_flops(graph, [r]), r.meta["val"].numel())) for r in candidates]
+    _, keep, _ = dp_knapsack([s / sum(sizes) for s in sizes], costs, budget)
+    return {candidates[i] for i in keep}
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) else 0
 
 
 def _kept(node: fx.Node, members: set[fx.Node]) -> bool:
@@ -166,5 +200,4 @@ def _checkpoint_bytes(copies: list[fx.Node]) -> int:
     """Bytes of the distinct storages forward computed that the copies read (what the region keeps for them)."""
     inside = set(copies)
     roots = {storage_root(a) for c in copies for a in c.all_input_nodes if a not in inside}
-    return sum(r.meta["val"].untyped_storage().nbytes() for r in roots
-               if r.op == "call_function" and isinstance(r.meta.get("val"), torch.Tensor))
+    return sum(_nbytes(r) for r in roots if r.op == "call_function")

@@ -21,4 +21,6 @@ class PassContext:
     # gave bucket_bytes, which then groups every collective
     units: dict[str, str] | None = None
     unit_cap_bytes: int = 64 * 2**20  # no unit is larger (C_B; zerofx.units.UNIT_CAP_BYTES by default)
+    # checkpointed regions keep, besides their inputs, this fraction of what backward reads from them; None: inputs
+    activation_budget: float | None = None
     artifacts: dict[str, Any] = field(default_factory=dict)  # what passes leave for the runtime and reports

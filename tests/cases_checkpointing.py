@@ -8,24 +8,26 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import zerofx
+from cases_hf import _batch, _hf_step, _model
 from cases_loops import assert_matches_ddp
 from models import GPT, GPTConfig, token_batch, train_step
 from nanogpt import Block, param_groups
 
 DROPOUT_GPT = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+SIX_BLOCKS = GPTConfig(vocab_size=65, block_size=16, n_layer=6, n_head=2, n_embd=32, dropout=0.1)
 RULES = {"none": None, "blocks": "blocks", "class": Block,
          "predicate": lambda path, module: path.startswith("blocks.") and path.count(".") == 1}
 
 
-def _run(rank, stage, rule, steps):
+def _run(rank, stage, rule, steps, cfg=DROPOUT_GPT, budget=None):
     torch.manual_seed(0)
-    model = GPT(DROPOUT_GPT)
+    model = GPT(cfg)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
-    step = zerofx.compile(train_step, stage=stage, checkpoint=rule, track_memory=True)
+    step = zerofx.compile(train_step, stage=stage, checkpoint=rule, activation_budget=budget, track_memory=True)
     losses = []
     for i in range(steps):
         torch.manual_seed(100 * i + rank)  # dropout masks: the same per step and rank in every run
-        losses.append(step(model, opt, *token_batch(i, rank, cfg=DROPOUT_GPT)).item())
+        losses.append(step(model, opt, *token_batch(i, rank, cfg=cfg)).item())
     stats = step.stats()
     full = zerofx.full_state_dict(step)
     return losses, full, stats, torch.rand(1).item()  # the last: the generator's position after the steps
@@ -49,6 +51,17 @@ def rules_against_no_checkpointing(rank, world_size, stage, steps=3):
                     (name, key, sub)
         figures[name] = (got_stats.activation_bytes, got_stats.peak_bytes, got_stats.recomputed_regions,
                          got_stats.recomputed_flops)
+    return figures
+
+
+def budgets(rank, world_size, stage, steps=1):
+    """Activation bytes and recomputed FLOPs at activation_budget None (no checkpointing), 1.0, 0.5 and 0.0."""
+    losses, _, stats, _ = _run(rank, stage, None, steps, SIX_BLOCKS)
+    figures = {None: (stats.activation_bytes, stats.recomputed_flops)}
+    for budget in (1.0, 0.5, 0.0):
+        got_losses, _, got, _ = _run(rank, stage, None, steps, SIX_BLOCKS, budget)
+        assert got_losses == losses, budget
+        figures[budget] = (got.activation_bytes, got.recomputed_flops)
     return figures
 
 
@@ -86,3 +99,24 @@ def users_checkpoint_against_ddp(rank, world_size, stage, use_reentrant, steps=4
         got = step(model, opt, x, y).item()
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=0, msg=f"step {i}")
     assert_matches_ddp(step, ref_model, ref_opt, atol=1e-6)
+
+
+def hf_gradient_checkpointing_against_ddp(rank, world_size, stage, arch, use_reentrant=None, steps=4):
+    """A Hugging Face model with ``gradient_checkpointing_enable()`` (GPT-2: dropout on) against DDP doing the same."""
+    ref_model, model = _model(arch), _model(arch)
+    kwargs = {} if use_reentrant is None else {"gradient_checkpointing_kwargs": {"use_reentrant": use_reentrant}}
+    for m in (ref_model, model):
+        m.gradient_checkpointing_enable(**kwargs)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ddp = DDP(ref_model)
+    step = zerofx.compile(_hf_step, stage=stage)
+    for i in range(steps):
+        batch = _batch(i, rank)
+        torch.manual_seed(1000 + i)
+        ref = _hf_step(ddp, ref_opt, batch).item()
+        torch.manual_seed(1000 + i)
+        got = step(model, opt, batch).item()
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=0, msg=f"{arch} step {i}")
+    # one element in a thousand is rounding noise Adam scales up (as without checkpointing: README, limits)
+    assert_matches_ddp(step, ref_model, ref_opt, atol=1e-5)

@@ -45,9 +45,10 @@ def assert_matches_ddp(step, ref_model, ref_opt, atol=1e-7):
     full = zerofx.full_state_dict(step)
     ref = _ddp_full_state(ref_model, ref_opt)
     for name, value in ref["model"].items():
-        torch.testing.assert_close(full["model"][name], value, rtol=1e-5, atol=atol, msg=name)
+        torch.testing.assert_close(full["model"][name], value, rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
     for name, state in ref["optimizer"].items():
-        torch.testing.assert_close(full["optimizer"]["state"][name], state, rtol=1e-5, atol=atol, msg=name)
+        torch.testing.assert_close(full["optimizer"]["state"][name], state, rtol=1e-5, atol=atol,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def zero_grad_anywhere(rank, world_size, stage, steps=5):

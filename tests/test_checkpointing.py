@@ -18,6 +18,26 @@ def test_checkpointed_blocks_train_bitwise_as_without_and_hold_fewer_activations
         assert got_peak < peak, (name, got_peak, peak)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_activation_budget_keeps_its_share_and_recomputes_more_as_it_falls(ranks2, stage):
+    """Budget b keeps b of what backward reads from the blocks: the activation high-water mark lies within 10% of
+    act(0) + b (act(no checkpointing) - act(0)); six blocks, dropout on, every run bitwise the same losses."""
+    figures = ranks2.run(cases.budgets, stage=stage)[0]
+    none, _ = figures[None]
+    inputs_only, _ = figures[0.0]
+    for budget in (1.0, 0.5, 0.0):
+        share = inputs_only + budget * (none - inputs_only)
+        assert abs(figures[budget][0] - share) <= 0.1 * share, (budget, figures)
+    assert figures[1.0][1] < figures[0.5][1] < figures[0.0][1], figures
+    assert inputs_only < 0.5 * none, figures
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_users_own_checkpoint_matches_ddp(ranks2, use_reentrant):
     ranks2.run(cases.users_checkpoint_against_ddp, stage=3, use_reentrant=use_reentrant)
+
+
+@pytest.mark.parametrize("arch, use_reentrant", [("llama", None), ("gpt2", False)])
+def test_hf_gradient_checkpointing_matches_ddp(ranks2, arch, use_reentrant):
+    """HF's default mode (reentrant) on Llama; GPT-2 with its dropouts, non-reentrant, recomputes the masks."""
+    ranks2.run(cases.hf_gradient_checkpointing_against_ddp, stage=3, arch=arch, use_reentrant=use_reentrant)

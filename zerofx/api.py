@@ -44,6 +44,7 @@ class Config:
     units: UnitRule = "blocks"  # what a communication unit is (zerofx.units), unless bucket_bytes is given
     unit_cap_bytes: int = UNIT_CAP_BYTES  # no unit is larger (C_B)
     checkpoint: UnitRule | None = None  # modules whose activations backward recomputes ("blocks", classes, predicate)
+    activation_budget: float | None = None  # fraction of the checkpointed regions' activations kept (knapsack)
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -53,6 +54,8 @@ class Config:
         check_rule(self.units)
         if self.checkpoint is not None:
             check_rule(self.checkpoint, "checkpoint")
+        if self.activation_budget is not None and not 0.0 <= self.activation_budget <= 1.0:
+            raise ValueError(f"activation_budget must be a fraction in [0, 1], got {self.activation_budget!r}")
         if self.unit_cap_bytes <= 0:
             raise ValueError(f"unit_cap_bytes must be positive, got {self.unit_cap_bytes}")
         if self.prefetch < 0:
@@ -65,7 +68,7 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
             reshard_after_forward: bool = True, mixed_precision: MixedPrecision | None = None,
             dump_dir: str | None = None, verify_ranks: bool = True, track_memory: bool = False,
             max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = UNIT_CAP_BYTES,
-            checkpoint: UnitRule | None = None):
+            checkpoint: UnitRule | None = None, activation_budget: float | None = None):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
@@ -77,11 +80,14 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     by default; module classes or a predicate ``(path, module) -> bool`` otherwise; at most ``unit_cap_bytes``);
     ``bucket_bytes=N`` instead groups every collective into buckets of at most N bytes. ``checkpoint`` (the same
     kinds of rule as ``units``) keeps only the inputs of each picked module's forward and recomputes the rest in
-    backward, drawing the same random numbers.
+    backward, drawing the same random numbers; ``activation_budget`` (a fraction; checkpointing the blocks unless
+    ``checkpoint`` says otherwise) keeps that share of what backward reads from them, chosen by recompute cost.
     """
+    if activation_budget is not None and checkpoint is None:
+        checkpoint = "blocks"
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
                     dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision,
-                    max_traces, units, unit_cap_bytes, checkpoint)
+                    max_traces, units, unit_cap_bytes, checkpoint, activation_budget)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -221,7 +227,7 @@ class CompiledStep:
         units = None if c.bucket_bytes is not None else unit_of_params(
             binding.modules(args), binding.module_prefixes, binding.param_aliases, c.units)
         ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes or UNSHARDED_BUCKET_BYTES, c.prefetch,
-                          c.reshard_after_forward, reduce_dtype, units, c.unit_cap_bytes)
+                          c.reshard_after_forward, reduce_dtype, units, c.unit_cap_bytes, c.activation_budget)
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
                                  probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:

@@ -65,7 +65,7 @@ def write(dump_dir: str, index: int, name: str, gm: fx.GraphModule) -> str:
 def write_units(dump_dir: str, artifacts: dict) -> str:
     """``units.txt``: every communication bucket the passes planned (module path or parameters, bytes, why it was cut
     there) and, at stage 3, each all-gather issued, and which parameters read again later were kept gathered or
-    gathered again."""
+    gathered again; with activation checkpointing, each region recomputed in backward."""
     lines = []
     for key, title in (("gather_buckets", "parameter units (stage 3 all-gathers)"),
                        ("grad_buckets", "gradient buckets (all-reduce or reduce-scatter)"),
@@ -79,6 +79,10 @@ def write_units(dump_dir: str, artifacts: dict) -> str:
     if artifacts.get("gathers"):
         lines.append("all-gathers issued (first micro-batch):")
         lines += [f"  {phase.value:<8} {_bucket_line(b)}" for phase, b in artifacts["gathers"]]
+    if artifacts.get("recomputed"):
+        lines.append("checkpointed regions recomputed in backward:")
+        lines += [f"  {name}: {r.nodes} nodes, {r.flops:,} FLOPs, from {r.checkpoint_bytes:,} bytes of saved inputs"
+                  for name, r in artifacts["recomputed"].items()]
     os.makedirs(dump_dir, exist_ok=True)
     path = os.path.join(dump_dir, "units.txt")
     with open(path, "w") as f:

@@ -23,12 +23,16 @@ def report(step, *, print_output: bool = True) -> str:
         rows.append([name, _fmt(value), str(expr), _fmt(f.evaluate(expr, psi, n))])
     rows.append(["communication (elements sent)", _fmt(stats.comm_volume), str(f.comm),
                  _fmt(f.evaluate(f.comm, psi, n))])
+    rows.append(["activations (most alive at once)", _fmt(stats.activation_bytes), "", ""])
     rows.append(["peak (all live tensors)", _fmt(stats.peak_bytes), "", ""])
     bytes_per = ", ".join(f"{k}={v}" for k, v in f.bytes_per_element.items() if str(k) != "M" or v != 1)
     title = (f"zerofx stage {stats.stage}: {n} ranks, Psi = {psi} parameters ({bytes_per}); "
              f"bytes per rank unless noted")
     text = title + "\n" + tabulate(rows, headers=["", "measured", "formula", "formula value"],
                                    colalign=("left", "right", "left", "right"))
+    if stats.recomputed_regions:
+        text += (f"\nactivation checkpointing: {stats.recomputed_regions} regions recomputed in backward, "
+                 f"{stats.recomputed_flops:,} FLOPs, {stats.checkpoint_bytes:,} bytes of saved inputs")
     if stats.other_collectives():
         text += f"\n+ {len(stats.other_collectives())} small collectives outside the formula (rank check, buffers)"
     if print_output:
