@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> tuple[str, list[dict]]:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     parser.add_argument("--skip", nargs="*", choices=["deepspeed", "deepspeed-defaults"], default=[])
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="activation checkpointing of every block in every system (DeepSpeed skipped)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for one world size")
@@ -135,17 +137,19 @@ def main(argv: list[str] | None = None) -> tuple[str, list[dict]]:
     layers, heads, width, context, batch, bucket = SIZES[args.size]
     shape = GPTConfig if args.model == "gpt" else LlamaShape
     cfg = shape(vocab_size=len(set(text)), block_size=context, n_layer=layers, n_head=heads, n_embd=width)
-    skip = tuple(args.skip)
+    skip = tuple(args.skip) + (("deepspeed",) if args.checkpoint else ())
     if "deepspeed" not in skip and importlib.util.find_spec("deepspeed") is None:
         skip += ("deepspeed",)
-    settings = Settings(cfg, batch, bucket, args.rounds, args.warmup, args.steps, tuple(args.precisions), skip)
+    settings = Settings(cfg, batch, bucket, args.rounds, args.warmup, args.steps, tuple(args.precisions), skip,
+                        args.checkpoint)
 
     started = time.perf_counter()
     runs = [run_world(n, settings, text, args.timeout) for n in args.worlds]
     elapsed = time.perf_counter() - started
 
     os.makedirs(args.out, exist_ok=True)
-    name = f"peers-{args.date}" if args.model == "gpt" else f"peers-{args.model}-{args.date}"
+    name = "-".join(["peers"] + ([args.model] if args.model != "gpt" else []) +
+                    (["checkpoint"] if args.checkpoint else []) + [args.date])
     stem = os.path.join(args.out, name)
     command = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compare_peers.py " + shlex.join(argv or sys.argv[1:])
     lines = [f"# zerofx beside DDP, FSDP2 and DeepSpeed — {args.date}", "",
@@ -154,7 +158,10 @@ def main(argv: list[str] | None = None) -> tuple[str, list[dict]]:
              f"{'GPT' if args.model == 'gpt' else 'Hugging Face LlamaForCausalLM'} {layers} layers × {width} wide, "
              f"{heads} heads, context {context}, batch {batch} per rank, "
              f"AdamW (lr 3e-3, weight decay 0.1 on matrices), buckets of {bucket:,} elements; "
-             f"{args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps.", ""]
+             f"{args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps."
+             + (" Every block's activations checkpointed: zerofx `checkpoint='blocks'`, DDP and FSDP2 "
+                "`checkpoint_wrapper` per block (non-reentrant), before `fully_shard`." if args.checkpoint else ""),
+             ""]
     if "deepspeed" in skip and "deepspeed" not in args.skip:
         lines += ["DeepSpeed skipped: not installed (`pip install -e '.[bench]'`).", ""]
     for run in runs:

@@ -5,6 +5,7 @@ guarantees. Contents, in pipeline order:
 
 - ``remove_profiler_ops``: drop torch.optim's record_function markers.
 - ``checkpoint_activations``: checkpointed regions keep their inputs; backward recomputes the rest (ZeRO-R).
+- ``recompute_pointwise``: backward recomputes cheap pointwise outputs from inputs it keeps anyway.
 - ``skip_nonfinite_update``: float16 loss scaling, ranks agree on overflow and such a step changes nothing.
 - ``broadcast_buffers``: rank 0's buffers broadcast before forward (DDP's default).
 - ``bucket_allreduce``: stage 0, bucketed gradient all-reduce as gradients become ready.
@@ -35,12 +36,13 @@ from zerofx.passes.pipeline import Pipeline, pipeline
 from zerofx.passes.gather_params import gather_params
 from zerofx.passes.global_grad_norm import global_grad_norm
 from zerofx.passes.propagate_shard_shapes import propagate_shard_shapes
+from zerofx.passes.recompute_pointwise import recompute_pointwise
 from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
 from zerofx.passes.shard_optimizer_state import shard_optimizer_state
 from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 
 __all__ = ["PassContext", "Pipeline", "pipeline", "allgather_params", "broadcast_buffers", "bucket_allreduce",
-           "cast_params_at_gather", "checkpoint_activations",
-           "gather_params", "global_grad_norm", "propagate_shard_shapes", "reduce_scatter_grads", "remove_profiler_ops",
+           "cast_params_at_gather", "checkpoint_activations", "gather_params", "global_grad_norm",
+           "propagate_shard_shapes", "recompute_pointwise", "reduce_scatter_grads", "remove_profiler_ops",
            "shard_optimizer_state", "skip_nonfinite_update"]

@@ -29,14 +29,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from zerofx import collectives
 from zerofx.passes.context import PassContext
-from zerofx.passes.graph_edit import add_call, fake_mode_of
+from zerofx.passes.graph_edit import RECOMPUTED, add_call, fake_mode_of
 from zerofx.rng import GET, SET
 from zerofx.step_graph import TAG, NodeTag, Phase, is_mutating, storage_root, tag
 from zerofx.trace_events import REGION
 
 log = logging.getLogger("zerofx")
-
-RECOMPUTED = "zerofx_recomputed"  # node.meta flag: a copy of a forward node that backward runs
 
 
 def checkpoint_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -19,11 +19,12 @@ RULES = {"none": None, "blocks": "blocks", "class": Block,
          "predicate": lambda path, module: path.startswith("blocks.") and path.count(".") == 1}
 
 
-def _run(rank, stage, rule, steps, cfg=DROPOUT_GPT, budget=None):
+def _run(rank, stage, rule, steps, cfg=DROPOUT_GPT, budget=None, **compile_kwargs):
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
-    step = zerofx.compile(train_step, stage=stage, checkpoint=rule, activation_budget=budget, track_memory=True)
+    step = zerofx.compile(train_step, stage=stage, checkpoint=rule, activation_budget=budget, track_memory=True,
+                          **compile_kwargs)
     losses = []
     for i in range(steps):
         torch.manual_seed(100 * i + rank)  # dropout masks: the same per step and rank in every run
@@ -33,25 +34,39 @@ def _run(rank, stage, rule, steps, cfg=DROPOUT_GPT, budget=None):
     return losses, full, stats, torch.rand(1).item()  # the last: the generator's position after the steps
 
 
+def _assert_bitwise(name, got, want):
+    """Two `_run` results: the same losses, generator position, parameters and optimizer state, bit for bit."""
+    assert got[0] == want[0], (name, got[0], want[0])
+    assert got[3] == want[3], name
+    for key, value in want[1]["model"].items():
+        assert torch.equal(got[1]["model"][key], value), (name, key)
+    for key, value in want[1]["optimizer"]["state"].items():
+        for sub, t in value.items():
+            assert torch.equal(torch.as_tensor(got[1]["optimizer"]["state"][key][sub]), torch.as_tensor(t)), \
+                (name, key, sub)
+
+
 def rules_against_no_checkpointing(rank, world_size, stage, steps=3):
     """Every kind of rule, bitwise against the same step without checkpointing; each run's measured figures."""
-    losses, full, stats, after = _run(rank, stage, None, steps)
+    plain = _run(rank, stage, None, steps)
+    stats = plain[2]
     figures = {"none": (stats.activation_bytes, stats.peak_bytes, stats.recomputed_regions, stats.recomputed_flops)}
     for name, rule in RULES.items():
         if rule is None:
             continue
-        got_losses, got_full, got_stats, got_after = _run(rank, stage, rule, steps)
-        assert got_losses == losses, (name, got_losses, losses)
-        assert got_after == after, name
-        for key, value in full["model"].items():
-            assert torch.equal(got_full["model"][key], value), (name, key)
-        for key, value in full["optimizer"]["state"].items():
-            for sub, t in value.items():
-                assert torch.equal(torch.as_tensor(got_full["optimizer"]["state"][key][sub]), torch.as_tensor(t)), \
-                    (name, key, sub)
-        figures[name] = (got_stats.activation_bytes, got_stats.peak_bytes, got_stats.recomputed_regions,
-                         got_stats.recomputed_flops)
+        got = _run(rank, stage, rule, steps)
+        _assert_bitwise(name, got, plain)
+        figures[name] = (got[2].activation_bytes, got[2].peak_bytes, got[2].recomputed_regions, got[2].recomputed_flops)
     return figures
+
+
+def pointwise_against_keeping(rank, world_size, stage, param_dtype, steps=2):
+    """The default (cheap pointwise outputs recomputed) bitwise against keeping them; both activation figures."""
+    mixed = None if param_dtype is None else zerofx.MixedPrecision(param_dtype=param_dtype)
+    kept = _run(rank, stage, None, steps, recompute_pointwise=False, mixed_precision=mixed)
+    default = _run(rank, stage, None, steps, mixed_precision=mixed)
+    _assert_bitwise("recompute_pointwise", default, kept)
+    return {"kept": kept[2].activation_bytes, "recomputed": default[2].activation_bytes}
 
 
 def budgets(rank, world_size, stage, steps=1):

@@ -1,6 +1,6 @@
 """The models the systems train: the repository's GPT, or a Hugging Face ``LlamaForCausalLM`` built from a config
 (random weights), called alike: ``model(x, y) -> loss``, its repeated blocks in ``model.blocks`` (FSDP2 wraps
-each; zerofx finds them itself)."""
+each; zerofx finds them itself). `checkpoint_blocks` applies activation checkpointing as FSDP2's users do."""
 
 from __future__ import annotations
 
@@ -49,3 +49,13 @@ def build(cfg) -> nn.Module:
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
         max_position_embeddings=cfg.block_size, attn_implementation="sdpa")
     return CausalLM(transformers.LlamaForCausalLM(config))
+
+
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Each block under non-reentrant activation checkpointing, with the wrapper torchtitan applies before
+    ``fully_shard``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
+    return model

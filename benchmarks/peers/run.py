@@ -38,6 +38,7 @@ class Settings:
     steps: int
     precisions: tuple[str, ...]
     skip: tuple[str, ...]  # "deepspeed", "deepspeed-defaults"
+    checkpoint: bool = False  # every system checkpoints each block's activations (zerofx: checkpoint="blocks")
 
 
 @dataclass
@@ -76,15 +77,15 @@ def _builders(s: Settings) -> list:
     for precision in s.precisions:
         bf16 = precision == "bf16"
         for stage in range(4):
-            out.append((f"zerofx-{stage}", precision,
-                        lambda stage=stage, bf16=bf16: systems.zerofx_system(s.cfg, stage, bf16)))
+            out.append((f"zerofx-{stage}", precision, lambda stage=stage, bf16=bf16: systems.zerofx_system(
+                s.cfg, stage, bf16, checkpoint=s.checkpoint)))
         out.append(("zerofx-3 tuned buckets", precision, lambda bf16=bf16: systems.zerofx_system(
-            s.cfg, 3, bf16, s.bucket_elements * (2 if bf16 else 4))))
+            s.cfg, 3, bf16, s.bucket_elements * (2 if bf16 else 4), checkpoint=s.checkpoint)))
         if not bf16:
-            out.append(("DDP", precision, lambda: systems.ddp_system(s.cfg)))
+            out.append(("DDP", precision, lambda: systems.ddp_system(s.cfg, s.checkpoint)))
         for reshard in (True, False):
             out.append(("FSDP2 reshard" if reshard else "FSDP2 no-reshard", precision,
-                        lambda bf16=bf16, reshard=reshard: systems.fsdp2_system(s.cfg, bf16, reshard)))
+                        lambda bf16=bf16, reshard=reshard: systems.fsdp2_system(s.cfg, bf16, reshard, s.checkpoint)))
         if "deepspeed" not in s.skip:
             for stage in (1, 2, 3):
                 out.append((f"DeepSpeed-{stage}", precision, lambda stage=stage, bf16=bf16: systems.deepspeed_system(

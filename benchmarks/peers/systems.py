@@ -12,7 +12,7 @@ import torch
 
 import zerofx
 from nanogpt import GPTConfig, param_groups
-from peers.models import build
+from peers.models import build, checkpoint_blocks
 
 LR = 3e-3
 WEIGHT_DECAY = 0.1
@@ -36,33 +36,35 @@ def _train_step(model, optimizer, x, y):
 
 
 def zerofx_system(cfg: GPTConfig, stage: int, bf16: bool, bucket_bytes: int | None = None,
-                  reshard_after_forward: bool = True) -> System:
-    """zerofx as its users run it (``bucket_bytes=None``: units from the model's blocks), or with buckets given."""
+                  reshard_after_forward: bool = True, checkpoint: bool = False) -> System:
+    """zerofx as its users run it (``bucket_bytes=None``: units from the model's blocks), or with buckets given;
+    ``checkpoint``: its own activation checkpointing of the blocks."""
     model = build(cfg)
     optimizer = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR)
     mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     compiled = zerofx.compile(_train_step, stage=stage, bucket_bytes=bucket_bytes, mixed_precision=mixed,
-                              reshard_after_forward=reshard_after_forward)
+                              reshard_after_forward=reshard_after_forward, checkpoint="blocks" if checkpoint else None)
     name = f"zerofx-{stage}" + ("" if reshard_after_forward or stage < 3 else " no-reshard") + \
         ("" if bucket_bytes is None else " tuned buckets")
     return System(name, "bf16" if bf16 else "fp32", stage, lambda x, y: compiled(model, optimizer, x, y),
                   keep=[model, optimizer, compiled])
 
 
-def ddp_system(cfg: GPTConfig) -> System:
-    """DDP at its defaults (25 MiB buckets), as its users run it."""
+def ddp_system(cfg: GPTConfig, checkpoint: bool = False) -> System:
+    """DDP at its defaults (25 MiB buckets), as its users run it; ``checkpoint``: each block checkpointed."""
     from torch.nn.parallel import DistributedDataParallel
 
-    model = build(cfg)
+    model = checkpoint_blocks(build(cfg)) if checkpoint else build(cfg)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR)
     return System("DDP", "fp32", 0, lambda x, y: _train_step(ddp, optimizer, x, y), keep=[ddp, optimizer])
 
 
-def fsdp2_system(cfg: GPTConfig, bf16: bool, reshard_after_forward: bool) -> System:
+def fsdp2_system(cfg: GPTConfig, bf16: bool, reshard_after_forward: bool, checkpoint: bool = False) -> System:
+    """``fully_shard`` per block and at the root; ``checkpoint``: each block checkpointed first (torchtitan's order)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = build(cfg)
+    model = checkpoint_blocks(build(cfg)) if checkpoint else build(cfg)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
     for block in model.blocks:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
