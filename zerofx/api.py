@@ -84,6 +84,8 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     kinds of rule as ``units``) keeps only the inputs of each picked module's forward and recomputes the rest in
     backward, drawing the same random numbers; ``activation_budget`` (a fraction; checkpointing the blocks unless
     ``checkpoint`` says otherwise) keeps that share of what backward reads from them, chosen by recompute cost.
+    ``recompute_pointwise`` (on by default) lets backward remake cheap outputs (GELU's, a LayerNorm's) from inputs
+    it keeps anyway instead of keeping them from forward; results are bitwise the same.
     """
     if activation_budget is not None and checkpoint is None:
         checkpoint = "blocks"
