@@ -5,6 +5,7 @@ guarantees. Contents, in pipeline order:
 
 - ``remove_profiler_ops``: drop torch.optim's record_function markers.
 - ``checkpoint_activations``: checkpointed regions keep their inputs; backward recomputes the rest (ZeRO-R).
+- ``offload_checkpoints``: the checkpointed regions' saved inputs wait in host memory (P_a+cpu).
 - ``recompute_pointwise``: backward recomputes cheap pointwise outputs from inputs it keeps anyway.
 - ``skip_nonfinite_update``: float16 loss scaling, ranks agree on overflow and such a step changes nothing.
 - ``broadcast_buffers``: rank 0's buffers broadcast before forward (DDP's default).
@@ -36,6 +37,7 @@ from zerofx.passes.pipeline import Pipeline, pipeline
 from zerofx.passes.gather_params import gather_params
 from zerofx.passes.global_grad_norm import global_grad_norm
 from zerofx.passes.propagate_shard_shapes import propagate_shard_shapes
+from zerofx.passes.offload_checkpoints import offload_checkpoints
 from zerofx.passes.recompute_pointwise import recompute_pointwise
 from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
@@ -44,5 +46,5 @@ from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 
 __all__ = ["PassContext", "Pipeline", "pipeline", "allgather_params", "broadcast_buffers", "bucket_allreduce",
            "cast_params_at_gather", "checkpoint_activations", "gather_params", "global_grad_norm",
-           "propagate_shard_shapes", "recompute_pointwise", "reduce_scatter_grads", "remove_profiler_ops",
+           "offload_checkpoints", "propagate_shard_shapes", "recompute_pointwise", "reduce_scatter_grads", "remove_profiler_ops",
            "shard_optimizer_state", "skip_nonfinite_update"]

@@ -29,6 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from zerofx import collectives
 from zerofx.passes.context import PassContext
+from zerofx.passes.flat_collectives import CATEGORY, categorize
 from zerofx.passes.graph_edit import RECOMPUTED, add_call, fake_mode_of
 from zerofx.rng import GET, SET
 from zerofx.step_graph import TAG, NodeTag, Phase, is_mutating, storage_root, tag
@@ -195,7 +196,9 @@ def _flops(graph: fx.Graph, nodes: list[fx.Node]) -> int:
 
 
 def _checkpoint_bytes(copies: list[fx.Node]) -> int:
-    """Bytes of the distinct storages forward computed that the copies read (what the region keeps for them)."""
+    """Bytes of the distinct storages forward computed that the copies read (what the region keeps for them);
+    marks them ``checkpoint`` for memory reports."""
     inside = set(copies)
     roots = {storage_root(a) for c in copies for a in c.all_input_nodes if a not in inside}
-    return sum(_nbytes(r) for r in roots if r.op == "call_function")
+    kept = [categorize(r, "checkpoint") for r in roots if r.op == "call_function" and not r.meta.get(CATEGORY)]
+    return sum(_nbytes(r) for r in kept)

@@ -23,5 +23,6 @@ class PassContext:
     unit_cap_bytes: int = 64 * 2**20  # no unit is larger (C_B; zerofx.units.UNIT_CAP_BYTES by default)
     # checkpointed regions keep, besides their inputs, this fraction of what backward reads from them; None: inputs
     activation_budget: float | None = None
+    offload_activations: bool = False  # checkpointed regions' saved inputs wait in host memory (P_a+cpu)
     recompute_pointwise: bool = False  # backward recomputes cheap pointwise outputs from inputs it keeps anyway
     artifacts: dict[str, Any] = field(default_factory=dict)  # what passes leave for the runtime and reports

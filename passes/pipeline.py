@@ -12,6 +12,7 @@ from zerofx.passes.broadcast_buffers import broadcast_buffers
 from zerofx.passes.bucket_allreduce import bucket_allreduce
 from zerofx.passes.cast_params_at_gather import cast_params_at_gather
 from zerofx.passes.checkpoint_activations import checkpoint_activations
+from zerofx.passes.offload_checkpoints import offload_checkpoints
 from zerofx.passes.recompute_pointwise import recompute_pointwise
 from zerofx.passes.context import PassContext
 from zerofx.passes.allgather_params import allgather_params
@@ -26,12 +27,12 @@ from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 _STAGES: dict[int, tuple[Pass, ...]] = {
-    0: (remove_profiler_ops, checkpoint_activations, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, bucket_allreduce),
-    1: (remove_profiler_ops, checkpoint_activations, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
+    0: (remove_profiler_ops, checkpoint_activations, offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, bucket_allreduce),
+    1: (remove_profiler_ops, checkpoint_activations, offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
         allgather_params, propagate_shard_shapes),
-    2: (remove_profiler_ops, checkpoint_activations, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
+    2: (remove_profiler_ops, checkpoint_activations, offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
         allgather_params, propagate_shard_shapes),
-    3: (remove_profiler_ops, checkpoint_activations, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, gather_params,
+    3: (remove_profiler_ops, checkpoint_activations, offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, gather_params,
         cast_params_at_gather, reduce_scatter_grads, global_grad_norm, propagate_shard_shapes),
 }
 

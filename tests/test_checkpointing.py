@@ -42,6 +42,19 @@ def test_activation_budget_keeps_its_share_and_recomputes_more_as_it_falls(ranks
     assert inputs_only < 0.5 * none, figures
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_offloaded_checkpoints_wait_in_host_memory(ranks2, stage):
+    """Each block's saved input (8 KiB here) is resident only while forward reads it and again from just before
+    its block's recompute; in between it is in the host pool. Measured: the most checkpoint bytes resident at once
+    fall from all six blocks' to at most two blocks' (one being written, one being read), the host pool peaks at
+    all six."""
+    r = ranks2.run(cases.offload_against_resident, stage=stage)[0]
+    block = 4 * 16 * 32 * 4
+    assert r["resident"]["checkpoint"] == r["offloaded"]["checkpoint"] == 6 * block
+    assert r["resident"]["resident"] == 6 * block and r["resident"]["host"] == 0, r
+    assert r["offloaded"]["resident"] <= 2 * block and r["offloaded"]["host"] == 6 * block, r
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_users_own_checkpoint_matches_ddp(ranks2, use_reentrant):
     ranks2.run(cases.users_checkpoint_against_ddp, stage=3, use_reentrant=use_reentrant)

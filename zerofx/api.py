@@ -46,6 +46,7 @@ class Config:
     checkpoint: UnitRule | None = None  # modules whose activations backward recomputes ("blocks", classes, predicate)
     activation_budget: float | None = None  # fraction of the checkpointed regions' activations kept (knapsack)
     recompute_pointwise: bool = True  # backward recomputes cheap pointwise outputs instead of keeping them
+    offload_activations: bool = False  # checkpoints wait in host memory between forward and backward (P_a+cpu)
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -70,7 +71,7 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
             dump_dir: str | None = None, verify_ranks: bool = True, track_memory: bool = False,
             max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = UNIT_CAP_BYTES,
             checkpoint: UnitRule | None = None, activation_budget: float | None = None,
-            recompute_pointwise: bool = True):
+            recompute_pointwise: bool = True, offload_activations: bool = False):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
@@ -85,13 +86,15 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     backward, drawing the same random numbers; ``activation_budget`` (a fraction; checkpointing the blocks unless
     ``checkpoint`` says otherwise) keeps that share of what backward reads from them, chosen by recompute cost.
     ``recompute_pointwise`` (on by default) lets backward remake cheap outputs (GELU's, a LayerNorm's) from inputs
-    it keeps anyway instead of keeping them from forward; results are bitwise the same.
+    it keeps anyway instead of keeping them from forward; results are bitwise the same. ``offload_activations``
+    moves what checkpointed blocks keep to host memory until backward needs it (P_a+cpu).
     """
-    if activation_budget is not None and checkpoint is None:
+    if (activation_budget is not None or offload_activations) and checkpoint is None:
         checkpoint = "blocks"
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
                     dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision,
-                    max_traces, units, unit_cap_bytes, checkpoint, activation_budget, recompute_pointwise)
+                    max_traces, units, unit_cap_bytes, checkpoint, activation_budget, recompute_pointwise,
+                    offload_activations)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -231,8 +234,9 @@ class CompiledStep:
         units = None if c.bucket_bytes is not None else unit_of_params(
             binding.modules(args), binding.module_prefixes, binding.param_aliases, c.units)
         ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes or UNSHARDED_BUCKET_BYTES, c.prefetch,
-                          c.reshard_after_forward, reduce_dtype, units, c.unit_cap_bytes, c.activation_budget,
-                          c.recompute_pointwise)
+                          c.reshard_after_forward, reduce_dtype, units, c.unit_cap_bytes,
+                          activation_budget=c.activation_budget, offload_activations=c.offload_activations,
+                          recompute_pointwise=c.recompute_pointwise)
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
                                  probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:

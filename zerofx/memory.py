@@ -74,15 +74,16 @@ class StepProbe(fx.Interpreter):
     - ``peak_bytes`` and ``at_peak``, the bytes alive at that moment by what they hold;
     - ``high_water``, per category the most bytes alive at once, each at its own moment (gathered parameters
       peak where their buckets are in flight, which need not be the overall peak);
-    - ``activation_bytes``, the most activation bytes alive at once while forward and backward run (the optimizer's
-      temporaries, also counted as activations, come after);
+    - ``activation_bytes``, the most activation bytes (checkpoints included) alive at once while forward and backward
+      run (the optimizer's temporaries, also counted as activations, come after);
     - ``grad_bytes``, gradient storage alive when backward ends (its last node, after the reduce-scatters a stage
       issues inside backward).
 
     What a storage holds comes from the graph: the role of the input it entered by (parameters, optimizer state,
     batch), gradients (nodes backward leaves as gradients, buffers a communication pass marks ``grad``), gathered
     parameters (buffers a pass marks ``gathered_param``), packed copies of gradients sent by a collective
-    (``comm_buffer``); everything else forward and backward allocate counts as
+    (``comm_buffer``), the inputs checkpointed regions keep (``checkpoint``) and their host copies
+    (``offloaded``); everything else forward and backward allocate counts as
     ``activations`` (saved activations and temporaries alike). How many bytes comes from the storages themselves.
     """
 
@@ -128,7 +129,8 @@ class StepProbe(fx.Interpreter):
         if self._tracker.live_bytes >= sum(self.at_peak.values()):
             self.at_peak = live_by_category
         if n.op == "call_function" and tag(n).phase != Phase.OPTIMIZER:  # after every input is categorized
-            self.activation_bytes = max(self.activation_bytes, live_by_category.get("activations", 0))
+            self.activation_bytes = max(self.activation_bytes, live_by_category.get("activations", 0)
+                                        + live_by_category.get("checkpoints", 0))
         if n is self._end_of_backward:
             self.grad_bytes = live_by_category.get("grads", 0)
         return result
@@ -136,7 +138,8 @@ class StepProbe(fx.Interpreter):
 
 _INPUT_CATEGORY = {Role.PARAM: "params", Role.OPT_STATE: "optimizer_states", Role.BATCH: "batch",
                    Role.BUFFER: "buffers", Role.GRAD_IN: "grads"}
-_PASS_CATEGORY = {"gathered_param": "gathered_params", "comm_buffer": "comm_buffers"}
+_PASS_CATEGORY = {"gathered_param": "gathered_params", "comm_buffer": "comm_buffers", "offloaded": "offloaded",
+                  "checkpoint": "checkpoints"}
 
 
 def _category_of(n: fx.Node) -> str:

@@ -37,6 +37,8 @@ class StepStats:
     recomputed_regions: int = 0
     recomputed_flops: int = 0
     checkpoint_bytes: int = 0
+    resident_checkpoint_bytes: int | None = None  # the most checkpoint bytes resident at once (track_memory)
+    offloaded_bytes: int | None = None  # the most checkpoint bytes waiting in host memory at once (track_memory)
 
     @property
     def comm_volume_psi(self) -> float:
@@ -101,7 +103,9 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
                      probe.peak_bytes if probe else None, formula, traces,
                      _comm_vs_formula(compiled.ctx, owned, formula, micro), _describe_units(compiled.ctx),
                      probe.activation_bytes if probe else None, len(recomputed),
-                     sum(r.flops for r in recomputed), sum(r.checkpoint_bytes for r in recomputed))
+                     sum(r.flops for r in recomputed), sum(r.checkpoint_bytes for r in recomputed),
+                     probe.high_water.get("checkpoints", 0) if probe else None,
+                     probe.high_water.get("offloaded", 0) if probe else None)
 
 
 def _comm_vs_formula(ctx, owned, formula: formulas.Formula, micro: int) -> list[tuple[str, float]]:
