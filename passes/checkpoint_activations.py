@@ -9,7 +9,8 @@ after this pass, so a recomputed node reads its parameters the way backward does
 With ``ctx.activation_budget`` (a fraction) a region keeps more than its inputs: of the values backward reads from
 the regions, those worth most recompute time per byte are kept, up to that fraction of their bytes (a knapsack,
 functorch's ``dp_knapsack``, over each value's bytes and its recompute cost: FLOPs, and at least one per element
-for the memory-bound ops); the rest is recomputed. 1.0 recomputes nothing backward reads, 0.0 keeps only inputs.
+for the memory-bound ops; a storage with the views and in-place writes onto it, such as a dropout mask, is one
+item); the rest is recomputed. 1.0 recomputes nothing backward reads, 0.0 keeps only inputs.
 
 Random ops draw what forward drew: when a random op is recomputed, the generator's state is read before the
 region's first random op, every random op of the region is recomputed from that state, and the recompute and restores the generator after, so a step is bitwise the step without
@@ -108,21 +109,21 @@ def _recompute(graph: fx.Graph, name: str, members: list[fx.Node], saved: set[fx
 
 def _kept_by_budget(graph: fx.Graph, regions: dict[str, list[fx.Node]], budget: float,
                     order: dict[fx.Node, int]) -> set[fx.Node]:
-    """The storages backward reads from the regions that the knapsack keeps within ``budget`` of their bytes. A
-    storage written in place (a dropout mask) is never a candidate: it is recomputed."""
-    candidates = []
+    """The region nodes backward keeps reading as saved: the storages the knapsack keeps within ``budget`` of the
+    bytes backward reads from the regions, each with the views and in-place writes (a dropout mask's) onto it."""
+    candidates, members_of = [], {}
     for members in regions.values():
         member_set = set(members)
-        written = {storage_root(m) for m in members if is_mutating(m)}
         roots = {storage_root(m) for m in members if not _kept(m, member_set) and _backward_users(m)}
-        candidates += sorted((r for r in roots if r in member_set and r not in written and not _kept(r, member_set)),
-                             key=order.__getitem__)
+        chosen = sorted((r for r in roots if r in member_set and not _kept(r, member_set)), key=order.__getitem__)
+        candidates += chosen
+        members_of.update({r: [m for m in members if storage_root(m) is r] for r in chosen})
     sizes = [_nbytes(r) for r in candidates]
     if not candidates or sum(sizes) == 0:
         return set()
     costs = [float(max(_flops(graph, [r]), r.meta["val"].numel())) for r in candidates]
     _, keep, _ = dp_knapsack([s / sum(sizes) for s in sizes], costs, budget)
-    return {candidates[i] for i in keep}
+    return {m for i in keep for m in members_of[candidates[i]]}
 
 
 def _nbytes(node: fx.Node) -> int:

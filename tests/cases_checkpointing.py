@@ -46,7 +46,7 @@ def _assert_bitwise(name, got, want):
                 (name, key, sub)
 
 
-def rules_against_no_checkpointing(rank, world_size, stage, steps=3):
+def rules_against_no_checkpointing(rank, world_size, stage, steps=2):
     """Every kind of rule, bitwise against the same step without checkpointing; each run's measured figures."""
     plain = _run(rank, stage, None, steps)
     stats = plain[2]

@@ -15,7 +15,7 @@ def test_checkpointed_blocks_train_bitwise_as_without_and_hold_fewer_activations
     for name in ("blocks", "class", "predicate"):
         got_activations, got_peak, got_regions, got_flops = figures[name]
         assert got_regions == 2 and got_flops > 0, name  # one region per block, recomputed in backward
-        assert got_activations < 0.75 * activations, (name, got_activations, activations)
+        assert got_activations < 0.85 * activations, (name, got_activations, activations)
         assert got_peak < peak, (name, got_peak, peak)
 
 

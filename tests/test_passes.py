@@ -1,5 +1,7 @@
 """Each pass alone on a small captured graph; no process group needed to inspect what it inserts."""
 
+import operator
+
 import torch
 
 from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
@@ -22,7 +24,8 @@ def _ctx(bucket_bytes=16 * 1024, world_size=2):
 
 def test_pipeline_lists_its_passes():
     text = str(pipeline(0))
-    names = ["remove_profiler_ops", "skip_nonfinite_update", "broadcast_buffers", "bucket_allreduce"]
+    names = ["remove_profiler_ops", "checkpoint_activations", "offload_checkpoints", "recompute_pointwise",
+             "skip_nonfinite_update", "broadcast_buffers", "bucket_allreduce"]
     assert [p.__name__ for p in pipeline(0).passes] == names
     for name in names:
         assert name in text
@@ -77,3 +80,62 @@ def test_broadcast_buffers_overwrites_every_buffer_before_forward():
     assert {c.args[0] for c in copies} == set(buffers.values())
     first_forward_op = next(n for n in nodes if "batch_norm" in str(n.target))
     assert all(nodes.index(c) < nodes.index(first_forward_op) for c in copies)
+
+
+def _gelu_and_layernorm_outputs(gm):
+    """Forward GELU and LayerNorm-output nodes, and whether backward reads each directly or through a view."""
+    def read_in_backward(node):
+        frontier, seen = [node], set()
+        while frontier:
+            n = frontier.pop()
+            for u in n.users:
+                if tag(u).phase == Phase.BACKWARD:
+                    return True
+                if u not in seen and u.target in (torch.ops.aten.view.default, torch.ops.aten.t.default):
+                    seen.add(u)
+                    frontier.append(u)
+        return False
+
+    nodes = [n for n in gm.graph.nodes if tag(n) and tag(n).phase == Phase.FORWARD
+             and (n.target is torch.ops.aten.gelu.default
+                  or (n.target is operator.getitem and n.args[0].target is torch.ops.aten.native_layer_norm.default
+                      and n.args[1] == 0))]
+    return {n.name: read_in_backward(n) for n in nodes}
+
+
+def test_recompute_pointwise_remakes_gelu_and_layernorm_outputs_in_backward():
+    from zerofx.passes import recompute_pointwise
+
+    kept = _gelu_and_layernorm_outputs(_captured())
+    assert len(kept) == 2 * 3 + 1 and all(kept.values())  # per block two LayerNorms and a GELU, and ln_f
+    gm = recompute_pointwise(_captured(), PassContext(0, 1, None, 0, recompute_pointwise=True))
+    assert not any(_gelu_and_layernorm_outputs(gm).values())  # backward reads its own copies now
+    copies = [n for n in gm.graph.nodes if n.meta.get("zerofx_recomputed")]
+    assert {tag(n).phase for n in copies} == {Phase.BACKWARD}
+    assert sum(n.target is torch.ops.aten.gelu.default for n in copies) == 2
+    assert sum(n.target is torch.ops.aten.native_layer_norm.default for n in copies) == 5
+
+
+def test_checkpoint_activations_copies_each_block_into_backward_before_its_first_reader():
+    from zerofx.passes import checkpoint_activations
+    from zerofx.trace_events import REGION
+
+    model, opt = gpt_and_adamw()
+    args = (model, opt, *token_batch(0, 0))
+    gm = capture(train_step, StepBinding.from_args(args), args, checkpoint="blocks").gm
+    regions = {n.meta[REGION] for n in gm.graph.nodes if REGION in n.meta}
+    assert regions == {"blocks.0#0", "blocks.1#0"}
+    ctx = PassContext(0, 1, None, 0)
+    gm = checkpoint_activations(gm, ctx)
+    assert set(ctx.artifacts["recomputed"]) == regions
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for region in regions:
+        members = [n for n in gm.graph.nodes if n.meta.get(REGION) == region and n.op == "call_function"]
+        # backward reads nothing the region computed but its output (the next block's input)
+        read_back = [m for m in members if any(tag(u).phase == Phase.BACKWARD for u in m.users)]
+        assert len(read_back) <= 1 and all(any(tag(u).phase == Phase.FORWARD and REGION not in u.meta
+                                               or u.meta.get(REGION) != region for u in m.users) for m in read_back)
+    copies = [n for n in gm.graph.nodes if n.meta.get("zerofx_recomputed")]
+    first_backward = min(order[n] for n in gm.graph.nodes if tag(n).phase == Phase.BACKWARD
+                         and not n.meta.get("zerofx_recomputed"))
+    assert copies and all(order[c] > first_backward for c in copies)
