@@ -96,6 +96,7 @@ def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshar
         "model_state_bytes": stats.model_state_bytes,
         "peak_bytes": stats.peak_bytes,
         "at_peak": step._last_probe.at_peak,
+        "activation_bytes": stats.activation_bytes,
         "high_water": step._last_probe.high_water,
         "comm_vs_formula": stats.comm_vs_formula,
         "formula_comm": stats.formula.evaluate(stats.formula.comm, stats.num_params, world_size),

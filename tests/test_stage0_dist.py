@@ -55,16 +55,17 @@ def test_uneven_batch_raises_on_every_rank_without_hanging(ranks2):
 def test_dump_dir_has_one_readable_file_per_pass(ranks2, tmp_path):
     results = ranks2.run(cases.dump_files, dump_dir=str(tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["00_capture.py", "01_remove_profiler_ops.py", "02_skip_nonfinite_update.py",
-                     "03_broadcast_buffers.py", "04_bucket_allreduce.py", "units.txt"]
-    text = (tmp_path / "04_bucket_allreduce.py").read_text()
+    assert files == ["00_capture.py", "01_remove_profiler_ops.py", "02_checkpoint_activations.py",
+                     "03_offload_checkpoints.py", "04_recompute_pointwise.py", "05_skip_nonfinite_update.py",
+                     "06_broadcast_buffers.py", "07_bucket_allreduce.py", "units.txt"]
+    text = (tmp_path / "07_bucket_allreduce.py").read_text()
     n = results[0]["allreduces"]
     assert n == 12 and f"# collectives: {n} (" in text  # the buckets of 16 KiB counted in the test above
     assert text.count("= zerofx_collectives_all_reduce(") == n
     assert "# collectives: 0 (0 bytes)" in (tmp_path / "00_capture.py").read_text()
     assert "p__wte_weight" in text and 'f32[65, 32]' in text  # parameters by name, with shapes
     namespace = {}
-    exec(compile(text, "04_bucket_allreduce.py", "exec"), namespace)  # the dump is a Python module
+    exec(compile(text, "07_bucket_allreduce.py", "exec"), namespace)  # the dump is a Python module
     assert "forward" in vars(namespace["Step"])
     assert results[0]["final_is_last_pass"] and results[0]["capture_has_no_allreduce"]
 

@@ -81,8 +81,9 @@ def test_peak_within_formula_buckets_and_activations(accounting4, stage):
     activations = at_peak.get("activations", 0) + at_peak.get("batch", 0)
     bound = r["formula_total"] + _per_param_overhead(r) + (1 + 1) * bucket + bucket + activations
     assert r["peak_bytes"] <= bound
-    stage0 = accounting4[0]["at_peak"]
-    assert activations <= (stage0["activations"] + stage0["batch"]) * 1.01  # sharding adds no activations
+    # sharding adds no activations: the most forward and backward hold at once (the peak itself may fall elsewhere,
+    # in the optimizer's temporaries at stage 0)
+    assert r["activation_bytes"] <= accounting4[0]["activation_bytes"] * 1.01
 
 
 @pytest.fixture(scope="module")
