@@ -13,13 +13,15 @@ for the memory-bound ops; a storage with the views and in-place writes onto it, 
 item); the rest is recomputed. 1.0 recomputes nothing backward reads, 0.0 keeps only inputs.
 
 Random ops draw what forward drew: when a random op is recomputed, the generator's state is read before the
-region's first random op, every random op of the region is recomputed from that state, and the recompute and restores the generator after, so a step is bitwise the step without
-checkpointing and later draws are unchanged.
+region's first random op, every random op of the region is recomputed from that state, and the generator's state
+is restored after the recompute, so a step is bitwise the step without checkpointing and later draws are unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,10 @@ from zerofx.step_graph import TAG, NodeTag, Phase, is_mutating, storage_root, ta
 from zerofx.trace_events import REGION
 
 log = logging.getLogger("zerofx")
+aten = torch.ops.aten
+# ops whose schema declares no write but that update the running statistics they are given (training batch norm)
+_UPDATES_RUNNING_STATS = {aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
+                          aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default}
 
 
 def checkpoint_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -53,10 +59,14 @@ def checkpoint_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     for node in graph.nodes:
         if REGION in node.meta and node.op == "call_function" and tag(node).phase == Phase.FORWARD:
             regions.setdefault(node.meta[REGION], []).append(node)
+    writes_into: dict[fx.Node, list[fx.Node]] = {}  # storage root -> the in-place writes into it
+    for node in graph.nodes:
+        if is_mutating(node):
+            writes_into.setdefault(storage_root(node), []).append(node)
     saved = set() if ctx.activation_budget is None else _kept_by_budget(graph, regions, ctx.activation_budget, order)
     recomputed = {}
     for name, members in regions.items():
-        copies = _recompute(graph, name, members, saved, order)
+        copies = _recompute(graph, name, members, saved, order, writes_into)
         if copies:
             recomputed[name] = Recomputed(len(copies), _flops(graph, copies), _checkpoint_bytes(copies))
     ctx.artifacts["recomputed"] = recomputed
@@ -72,7 +82,7 @@ class Recomputed:
 
 
 def _recompute(graph: fx.Graph, name: str, members: list[fx.Node], saved: set[fx.Node],
-               order: dict[fx.Node, int]) -> list[fx.Node]:
+               order: dict[fx.Node, int], writes_into: dict[fx.Node, list[fx.Node]]) -> list[fx.Node]:
     member_set = set(members)
     kept = {m for m in members if _kept(m, member_set) or m in saved}
     read_back = [m for m in members if m not in kept and _backward_users(m)]
@@ -83,24 +93,19 @@ def _recompute(graph: fx.Graph, name: str, members: list[fx.Node], saved: set[fx
     randoms = [m for m in members if _is_random(m)] if any(_is_random(n) for n in needed) else []
     needed |= _closure(randoms, member_set, kept)
     first_read = min((u for m in read_back for u in _backward_users(m)), key=order.__getitem__)
-    problem = _unsafe(needed, member_set, order, first_read)
+    problem = _unsafe(needed, member_set, order, first_read, writes_into)
     if problem:
         log.warning("zerofx: region %s is not recomputed: %s", name, problem)
         return []
     states = _save_rng_states(graph, randoms)
     copies: dict[fx.Node, fx.Node] = {}
-    with graph.inserting_before(first_read):
-        current = {device: add_call(graph, GET, (device,), like=first_read) for device in states}
-        for device, state in states.items():
-            add_call(graph, SET, (state, device), like=first_read)
+    with graph.inserting_before(first_read), _replaying(graph, states, first_read):
         for node in sorted(needed, key=order.__getitem__):
             copy = graph.node_copy(node, lambda n: copies.get(n, n))
             copy.meta[TAG] = NodeTag(Phase.BACKWARD, tag(first_read).microbatch)
-            copy.meta[RECOMPUTED] = True
+            copy.meta[RECOMPUTED] = "checkpoint"
             del copy.meta[REGION]
             copies[node] = copy
-        for device, saved in current.items():
-            add_call(graph, SET, (saved, device), like=first_read)
     for member in read_back:
         for user in _backward_users(member):
             user.replace_input_with(member, copies[member])
@@ -121,9 +126,22 @@ def _kept_by_budget(graph: fx.Graph, regions: dict[str, list[fx.Node]], budget: 
     sizes = [_nbytes(r) for r in candidates]
     if not candidates or sum(sizes) == 0:
         return set()
-    costs = [float(max(_flops(graph, [r]), r.meta["val"].numel())) for r in candidates]
-    _, keep, _ = dp_knapsack([s / sum(sizes) for s in sizes], costs, budget)
+    if budget >= 1.0 or budget <= 0.0:
+        keep = range(len(candidates)) if budget >= 1.0 else []
+    else:  # the solver rounds each share to 1e-4: half a step of slack per item keeps what fits exactly
+        costs = [_recompute_cost(graph, r) for r in candidates]
+        _, keep, _ = dp_knapsack([s / sum(sizes) for s in sizes], costs, budget + len(sizes) * 5e-5)
     return {m for i in keep for m in members_of[candidates[i]]}
+
+
+def _recompute_cost(graph: fx.Graph, node: fx.Node) -> float:
+    """FLOPs of the op that makes ``node`` (an item of a tuple: the op's), at least one per element."""
+    producer = node.args[0] if node.target is operator.getitem else node
+    flops = _flops(graph, [producer])
+    if producer.target is aten._scaled_dot_product_flash_attention_for_cpu.default:  # the counter skips it
+        q, k = producer.args[0].meta["val"], producer.args[1].meta["val"]
+        flops = 4 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
+    return float(max(flops, node.meta["val"].numel()))
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -163,18 +181,35 @@ def _closure(wanted: list[fx.Node], members: set[fx.Node], kept: set[fx.Node]) -
     return needed
 
 
-def _unsafe(needed: set[fx.Node], members: set[fx.Node], order: dict[fx.Node, int], first_read: fx.Node) -> str:
+def _unsafe(needed: set[fx.Node], members: set[fx.Node], order: dict[fx.Node, int], first_read: fx.Node,
+            writes_into: dict[fx.Node, list[fx.Node]]) -> str:
     """Why recomputing ``needed`` before ``first_read`` would not give the forward's values ('' if it would)."""
     for node in needed:
         if is_mutating(node) and storage_root(node) not in members:
             return f"{node.format_node()} writes into a tensor made outside the region"
-    inputs = {storage_root(a) for n in needed for a in n.all_input_nodes if a not in needed}
-    start = min(order[n] for n in needed)
-    for node, position in order.items():
-        if start < position < order[first_read] and node not in members and is_mutating(node) \
-                and storage_root(node) in inputs:
-            return f"{node.format_node()} writes into an input of the region before backward reads it"
+        if node.target in _UPDATES_RUNNING_STATS and node.args[3] is not None:
+            return f"{node.format_node()} would update its running statistics a second time"
+    for node in needed:  # a value it reads, written in place after forward read it and before the recompute
+        for value in node.all_input_nodes:
+            if value in needed:
+                continue
+            for write in writes_into.get(storage_root(value), ()):
+                if write not in needed and order[node] < order[write] < order[first_read]:
+                    return f"{write.format_node()} writes into {value.name}, which the recompute reads, after " \
+                           f"forward read it"
     return ""
+
+
+@contextlib.contextmanager
+def _replaying(graph: fx.Graph, states: dict[torch.device, fx.Node], like: fx.Node):
+    """Nodes added inside run from the forward's generator ``states``; the generators' current states are restored
+    after them."""
+    current = {device: add_call(graph, GET, (device,), like=like) for device in states}
+    for device, state in states.items():
+        add_call(graph, SET, (state, device), like=like)
+    yield
+    for device, state in current.items():
+        add_call(graph, SET, (state, device), like=like)
 
 
 def _save_rng_states(graph: fx.Graph, randoms: list[fx.Node]) -> dict[torch.device, fx.Node]:

@@ -12,7 +12,8 @@ from zerofx.step_graph import TAG, NodeTag, Phase
 
 
 INSERTED = "zerofx_inserted"  # node.meta flag: added by a pass (its metadata is set when it is added)
-RECOMPUTED = "zerofx_recomputed"  # node.meta flag: a copy of a forward node that backward runs
+# node.meta: a copy of a forward node that backward runs, and which pass made it ("checkpoint", "pointwise")
+RECOMPUTED = "zerofx_recomputed"
 SHARD = "zerofx_shard"  # node.meta flag: holds this rank's shard of a parameter, its state or its gradient
 
 

@@ -38,10 +38,11 @@ def offload_checkpoints(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                            default=value)
         first_reader = min(readers, key=order.__getitem__)
         val = value.meta["val"]
-        accelerated = val.device.type != "cpu"  # pinned host memory, copies asynchronous on the device's stream
+        accelerated = val.device.type != "cpu"  # copies asynchronous on the device's stream
         with graph.inserting_after(last_forward):
+            # non-blocking from an accelerator: torch copies into pinned host memory
             host = categorize(add_call(graph, aten._to_copy.default, (value,), like=last_forward, kwargs={
-                "device": torch.device("cpu"), "pin_memory": accelerated, "non_blocking": accelerated}), "offloaded")
+                "device": torch.device("cpu"), "non_blocking": accelerated}), "offloaded")
         with graph.inserting_before(first_reader):
             back = add_call(graph, aten._to_copy.default, (host,), like=first_reader,
                             kwargs={"device": val.device, "non_blocking": accelerated})
@@ -61,6 +62,6 @@ def _checkpoints(graph: fx.Graph, order: dict[fx.Node, int]) -> list[fx.Node]:
                 or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         readers = [u for u in node.users if tag(u).phase == Phase.BACKWARD]
-        if readers and min(readers, key=order.__getitem__).meta.get(RECOMPUTED):
+        if readers and min(readers, key=order.__getitem__).meta.get(RECOMPUTED) == "checkpoint":
             out.append(node)
     return out

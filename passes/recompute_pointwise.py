@@ -117,7 +117,7 @@ def _copy_into_backward(graph: fx.Graph, node: fx.Node, pairs: list[tuple[fx.Nod
                 with graph.inserting_before(first_reader):
                     copy = graph.node_copy(value, lambda n: copies.get(n, n))
                 copy.meta[TAG] = NodeTag(Phase.BACKWARD, tag(first_reader).microbatch)
-                copy.meta[RECOMPUTED] = True
+                copy.meta[RECOMPUTED] = "pointwise"
                 copy.meta.pop(REGION, None)
                 copies[value] = copy
         user.replace_input_with(views[0] if views else node, copies[views[0] if views else node])

@@ -21,6 +21,7 @@ def _generator(device: torch.device) -> torch.Generator:
     if device.type == "cpu":
         return torch.default_generator
     module = torch.get_device_module(device.type)
+    getattr(module, "_lazy_init", lambda: None)()
     return module.default_generators[device.index if device.index is not None else module.current_device()]
 
 
@@ -59,12 +60,13 @@ def traced_rng_state():
         module = torch.get_device_module(accelerator.type)
 
         def device_of(device):
-            d = torch.device(accelerator.type, device) if isinstance(device, int) else torch.device(device)
+            d = torch.device(accelerator.type, device) if isinstance(device, int) else \
+                torch.device(device or accelerator.type)
             return d if d.index is not None else torch.device(d.type, module.current_device())
 
-        patches += [mock.patch.object(module, "get_rng_state", lambda device="cuda": GET(device_of(device))),
+        patches += [mock.patch.object(module, "get_rng_state", lambda device=None: GET(device_of(device))),
                     mock.patch.object(module, "set_rng_state",
-                                      lambda state, device="cuda": SET(state, device_of(device)))]
+                                      lambda state, device=None: SET(state, device_of(device)))]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
