@@ -21,6 +21,7 @@ import datetime
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -69,9 +70,30 @@ def object_collectives(rank: int, world: int, i: int) -> None:
     dist.barrier()
 
 
-def rank_main(rank: int, world: int, port: int, args) -> None:
+def gloo_with_threads(threads: int):
+    """A backend creator: gloo as ``init_process_group("gloo")`` builds it, but with ``threads`` worker threads
+    (torch's default is 2; ``init_process_group`` takes no gloo options)."""
+
+    def create(store, rank, size, timeout):
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        options._threads = threads
+        return dist.ProcessGroupGloo(store, rank, size, options)
+
+    return create
+
+
+def rank_main(rank: int, world: int, port: int, args, done) -> None:
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    backend = "gloo"
+    if args.gloo_threads is not None:
+        backend = "gloo_threads"
+        dist.Backend.register_backend(backend, gloo_with_threads(args.gloo_threads), devices=["cpu"])
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     group = dist.group.WORLD.group_name
     for i in range(args.iterations):
@@ -81,7 +103,14 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
             reduce_scatter_buckets(world, group)
         if args.object_collectives:
             object_collectives(rank, world, i)
+        done[rank] = i + 1
     dist.destroy_process_group()
+
+
+def _report_debugger(debugger) -> None:
+    if debugger is not None:
+        out, _ = debugger.communicate(timeout=60)
+        print("\n".join(line for line in out.splitlines() if line.startswith(("gdb:", "#"))), flush=True)
 
 
 def main() -> int:
@@ -92,24 +121,39 @@ def main() -> int:
     parser.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="one all-gather in flight")
     parser.add_argument("--no-reduce-scatter", dest="reduce_scatter", action="store_false")
     parser.add_argument("--no-object-collectives", dest="object_collectives", action="store_false")
+    parser.add_argument("--gloo-threads", type=int, help="gloo worker threads (torch's default: 2)")
+    parser.add_argument("--gdb-pause", action="store_true",
+                        help="attach gdb to rank 0 with benchmarks/gloo_race_gdb.py (pauses its gloo workers)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     started = time.monotonic()
-    context = mp.start_processes(rank_main, args=(args.world_size, port, args), nprocs=args.world_size, join=False,
-                                 start_method="spawn")
+    done = mp.get_context("spawn").Array("l", args.world_size, lock=False)  # iterations each rank finished
+    context = mp.start_processes(rank_main, args=(args.world_size, port, args, done), nprocs=args.world_size,
+                                 join=False, start_method="spawn")
+    debugger = None
+    if args.gdb_pause:
+        while done[0] == 0 and all(p.is_alive() for p in context.processes):
+            time.sleep(0.1)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gloo_race_gdb.py")
+        debugger = subprocess.Popen(["gdb", "-q", "-batch", "-iex", "set non-stop on", "-iex", "set confirm off",
+                                     "-p", str(context.processes[0].pid), "-x", script],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         while not context.join():
             pass
     except mp.ProcessExitedException as e:
+        _report_debugger(debugger)
         how = signal.Signals(-e.exit_code).name if e.exit_code < 0 else f"exit {e.exit_code}"
-        print(f"rank {e.error_index} failed ({how}) after {time.monotonic() - started:.0f}s", flush=True)
+        print(f"rank {e.error_index} failed ({how}) in iteration {done[e.error_index] + 1} "
+              f"after {time.monotonic() - started:.0f}s", flush=True)
         return 1
     except mp.ProcessRaisedException as e:
         print(f"a rank raised after {time.monotonic() - started:.0f}s:\n{e}", flush=True)
         return 1
+    _report_debugger(debugger)
     print(f"{args.iterations} iterations on {args.world_size} ranks, no failure "
           f"({time.monotonic() - started:.0f}s)", flush=True)
     return 0
