@@ -1,17 +1,37 @@
 """Heap corruption in PyTorch's gloo backend, with torch alone: ``malloc(): unaligned tcache chunk detected``.
 
-    python benchmarks/repro_gloo_heap_corruption.py                      # 4 ranks, 4000 iterations
-    python benchmarks/repro_gloo_heap_corruption.py --no-reduce-scatter --no-object-collectives
+    python benchmarks/repro_gloo_heap_corruption.py                     # 4 ranks, 4000 iterations, rare aborts
+    python benchmarks/repro_gloo_heap_corruption.py --gloo-threads 1    # gloo with one worker thread: none
+    python benchmarks/repro_gloo_heap_corruption.py --world-size 2 --iterations 200 --gdb-pause   # aborts in seconds
 
 Each iteration issues the collectives of one ZeRO stage-3 step and of a checkpoint save, as zerofx does, but with
 the functional collectives (``torch.ops._c10d_functional``) called directly: an all-gather per parameter bucket with
 the next one already in flight, a reduce-scatter per bucket all waited at the end, then the synchronous object
-collectives ``torch.distributed.checkpoint`` uses. Every buffer stays referenced until its wait returns. On torch
-2.13.0 (CPU wheel, glibc 2.36, ``MALLOC_PERTURB_=165``, a loaded 2-core machine) one rank aborted with the message
-above within 3,000 iterations, in a gloo worker thread's allocation inside an all-gather; a second run of 4,000 had
-none. It is rare: run it long or several times. The ``--no-...`` switches leave parts out: without one of the three
-parts (or with all-gathers alone) it ran 4,000 iterations without an abort, which does not yet show which parts it
-needs. Exit status 0 when every rank finished.
+collectives ``torch.distributed.checkpoint`` uses. Every buffer stays referenced until its wait returns.
+
+The cause, in torch 2.13.0: gloo runs asynchronous collectives on worker threads (two unless told otherwise). After
+finishing one, a worker records it in the group's status with no lock held (``ProcessGroupGloo::runLoop``, between
+``AsyncWork::execute(work)`` and ``lock.lock()``: ``pgStatus_->lastCompletedWorkName =
+opTypeToString(work->opType_)``). The functional all-gather is ``all_gather_into_tensor_coalesced`` underneath, an
+``ALLGATHER_COALESCED`` work, a name longer than ``std::string``'s 15-character inline buffer. When two collectives
+finish together, both workers read the same heap buffer and both free it; freed from two threads' caches, glibc's
+double-free check misses it, and the chunk is later handed out twice. ``--gloo-threads 1`` builds the group with one
+worker (``zerofx.collectives.gloo_one_worker`` does the same for zerofx users). ``--gdb-pause`` attaches gdb to rank
+0 with ``benchmarks/gloo_race_gdb.py``, which pauses each of its gloo workers for 2 ms right after it read that
+buffer's address, as a preemption would, while the other worker runs on.
+
+Measured with torch 2.13.0 (CPU wheel, glibc 2.36, a loaded 2-core machine):
+
+- ``--world-size 2 --iterations 200 --gdb-pause``: with two workers, 5 of 5 runs aborted (``malloc(): unaligned
+  fastbin chunk detected`` or SIGSEGV) after 6 to 24 pauses; with ``--gloo-threads 1``, 3 of 3 runs finished (7,815
+  to 7,937 pauses each); with two workers paused just after the update (``GLOO_RACE_AT="*('c10d::ProcessGroupGloo::
+  runLoop(int)'+606)"``), 1 of 1 finished (7,601 pauses).
+- 4 ranks, no gdb, ``MALLOC_PERTURB_=165``: with two workers, one abort within 3,000 iterations, none in a second
+  run of 4,000, and one abort after 753 s of a third; with ``--gloo-threads 1``, 4,000 iterations (1,141 s) without
+  an abort.
+
+The ``--no-...`` switches leave parts out; each such run of 4,000 iterations (two workers, no gdb) had no abort,
+which at this rate says little. Exit status 0 when every rank finished.
 """
 
 from __future__ import annotations
