@@ -4,8 +4,10 @@
     .venv/bin/python benchmarks/stress_checkpoint.py --runs 50
 
 Each run starts ``--world-size`` new processes on a new port: 6 steps, ``zerofx.checkpoint.save``, 4 more steps,
-the mean loss over ranks. A run passes when every rank exits cleanly within ``--timeout`` seconds; a rank killed by
-a signal (heap corruption aborts) or a hang fails it. One line per run, then ``N passed, M failed``.
+the mean loss over ranks. The group is gloo with one worker thread (``zerofx.collectives.gloo_one_worker``);
+``--torch-gloo`` uses torch's gloo as it comes, with two. A run passes when every rank exits cleanly within
+``--timeout`` seconds; a rank killed by a signal (heap corruption aborts) or a hang fails it. One line per run, then
+``N passed, M failed``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def rank_main(rank: int, world_size: int, port: int, checkpoint_dir: str) -> None:
+def rank_main(rank: int, world_size: int, port: int, checkpoint_dir: str, torch_gloo: bool) -> None:
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import torch
     import torch.distributed as dist
@@ -33,7 +35,8 @@ def rank_main(rank: int, world_size: int, port: int, checkpoint_dir: str) -> Non
     from nanogpt import GPT, GPTConfig, param_groups
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    backend = "gloo" if torch_gloo else zerofx.collectives.gloo_one_worker()
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
     cfg = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=30)  # sizes that need padding
     torch.manual_seed(0)
@@ -76,14 +79,15 @@ def _describe(code: int | None) -> str:
     return f"exit {code}"
 
 
-def one_run(world_size: int, timeout: float) -> tuple[bool, str]:
+def one_run(world_size: int, timeout: float, torch_gloo: bool) -> tuple[bool, str]:
     """Launch the ranks, wait for all; (passed, what happened)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="zerofx-stress-") as scratch:
         port = _free_port()
         logs = [open(os.path.join(scratch, f"rank{r}.log"), "w+") for r in range(world_size)]
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world-size", str(world_size),
-                                   "--port", str(port), "--checkpoint-dir", os.path.join(scratch, "ckpt")],
+                                   "--port", str(port), "--checkpoint-dir", os.path.join(scratch, "ckpt")]
+                                  + (["--torch-gloo"] if torch_gloo else []),
                                   env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world_size)]
         deadline = time.monotonic() + timeout
         codes = []
@@ -118,18 +122,20 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take before it counts as hung")
+    parser.add_argument("--torch-gloo", action="store_true",
+                        help="torch's gloo as it comes (two worker threads), not zerofx.collectives.gloo_one_worker()")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # set on the processes a run launches
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
-        rank_main(args.rank, args.world_size, args.port, args.checkpoint_dir)
+        rank_main(args.rank, args.world_size, args.port, args.checkpoint_dir, args.torch_gloo)
         return 0
     passed = 0
     started = time.monotonic()
     for run in range(1, args.runs + 1):
         t0 = time.monotonic()
-        ok, what = one_run(args.world_size, args.timeout)
+        ok, what = one_run(args.world_size, args.timeout, args.torch_gloo)
         passed += ok
         print(f"run {run}/{args.runs}: {'pass' if ok else 'FAIL'} in {time.monotonic() - t0:.1f}s: {what}",
               flush=True)

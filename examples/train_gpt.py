@@ -39,7 +39,8 @@ args = parser.parse_args()
 # --- processes: torchrun sets the environment; one process needs no group ---------------------------------------
 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # on CPU, gloo with one worker thread: with two, torch 2.13 can corrupt the heap (README)
+    dist.init_process_group("nccl" if device.type == "cuda" else zerofx.collectives.gloo_one_worker())
     if device.type == "cuda":
         torch.cuda.set_device(device)
 rank = dist.get_rank() if dist.is_initialized() else 0

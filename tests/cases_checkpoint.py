@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zerofx
+from zerofx.collectives import gloo_one_worker
 from zerofx.mixed_precision import LossScaling
 from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
 from nanogpt import GPTConfig
@@ -32,7 +33,7 @@ def _train(step, model, opt, sched, batches):
 def _fresh_process_group(rank, world_size, port):
     """A new default group on a new port: nothing of the saving run's group survives."""
     dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    dist.init_process_group(gloo_one_worker(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
 
 

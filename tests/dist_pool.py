@@ -3,7 +3,7 @@
 A case is a function ``case(rank, world_size, **kwargs)`` in a module importable by the workers; ``pool.run`` calls
 it on every rank and returns the per-rank results, or raises with every failing rank's traceback. A case that does
 not finish in time fails the test and the pool is rebuilt, so one hang cannot take the suite down; a rank that dies
-mid-case (gloo's rare heap corruption) restarts the pool and runs the case once more.
+mid-case restarts the pool and runs the case once more.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
+    from zerofx.collectives import gloo_one_worker
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(gloo_one_worker(), rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
     while True:
         task = tasks.get()
         if task is None:
@@ -68,9 +70,10 @@ class WorkerPool:
     def run(self, case, timeout: float = 240.0, **kwargs) -> list:
         """Run ``case`` (a function defined in an importable module) on every rank; results by rank.
 
-        A rank whose process dies mid-case is, so far, gloo's rare heap corruption in PyTorch itself
-        (``benchmarks/repro_gloo_heap_corruption.py`` reproduces it without zerofx): the pool is started again and the
-        case runs once more, with a warning naming the rank and its exit code. A second death fails the test."""
+        The ranks' group is gloo with one worker thread (``zerofx.collectives.gloo_one_worker``), which avoids the
+        heap corruption of torch 2.13's gloo with two. Should a rank's process still die mid-case, the pool is started
+        again and the case runs once more, with a warning naming the rank and its exit code. A second death fails
+        the test."""
         try:
             return self._run_once(case, timeout, kwargs)
         except WorkerDied as died:

@@ -158,3 +158,26 @@ def broadcast_control(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGro
 
 
 COLLECTIVES = (all_reduce, all_reduce_scalar, broadcast, all_gather, all_gather_coalesced, reduce_scatter)
+
+
+def gloo_one_worker() -> str:
+    """A backend name for ``dist.init_process_group``: gloo with one worker thread instead of torch's two.
+
+    On torch 2.13, each gloo worker thread, after finishing a collective, records it in the group's status
+    (``ProcessGroupGloo::runLoop``: ``pgStatus_->lastCompletedWorkName = opTypeToString(...)``) without holding a
+    lock. Two collectives finishing at once on the two workers race on that string; for the functional all-gather
+    (``ALLGATHER_COALESCED``, a name too long for the string's inline buffer) both threads free the same buffer, and the
+    heap is corrupted (``malloc(): unaligned tcache chunk detected``, SIGSEGV). One worker runs the collectives one at a
+    time in the order they were issued, which every rank issues alike; they stay asynchronous to the caller."""
+    name = "gloo_one_worker"
+    if name not in dist.Backend.backend_list:
+
+        def create(store, rank, size, timeout):
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_default_device()]
+            options._threads = 1
+            return dist.ProcessGroupGloo(store, rank, size, options)
+
+        dist.Backend.register_backend(name, create, devices=["cpu"])
+    return name
