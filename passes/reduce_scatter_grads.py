@@ -29,9 +29,10 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     - stages 2-3 (P_os+g): right after backward produced the bucket's last gradient, in every micro-batch: the
       micro-batch's contribution is reduce-scattered and added to this rank's accumulated shard, the full gradients
       die as soon as they are packed, and only shards live on.
-    Gradients travel in ``ctx.reduce_dtype`` when it is set (cast just before packing). The last wait sits just
-    before the first reader; every later reader (clipping, the optimizer) reads this rank's
-    accumulated shard. Leaves ``ctx.artifacts["grad_buckets"]``.
+    Gradients travel in ``ctx.reduce_dtype`` when it is set (cast just before packing). At stages 2-3 a bucket's
+    wait sits where the next bucket is issued (one reduce-scatter and its packed copy in flight); the last wait (and
+    every wait at stage 1) sits just before the first reader; every later reader (clipping, the optimizer) reads
+    this rank's accumulated shard. Leaves ``ctx.artifacts["grad_buckets"]``.
     """
     sg = StepGraph(gm)
     layouts = ctx.artifacts["layouts"]
@@ -82,15 +83,18 @@ def _reduce_scatter_round(graph: fx.Graph, sg: StepGraph, ctx: PassContext, layo
     end_of_backward = sg.phase_span(Phase.BACKWARD)[1]
     phase = Phase.BACKWARD if ctx.stage >= 2 else Phase.OPTIMIZER
     shards = {}
-    for bucket in buckets:
+    anchors = [max((grads[f] for f in b.names), key=sg.order.__getitem__).next if ctx.stage >= 2
+               else end_of_backward.next for b in buckets]
+    for k, bucket in enumerate(buckets):
         nodes = [grads[f] for f in bucket.names]
         bucket_layouts = [layouts[f] for f in bucket.names]
         last = max(nodes, key=sg.order.__getitem__)
-        anchor = last.next if ctx.stage >= 2 else end_of_backward.next
-        with graph.inserting_before(anchor):
+        with graph.inserting_before(anchors[k]):
             sent = [cast(graph, parts[f], dtype_of[f], like=last, phase=phase) for f in bucket.names]
             pending = reduce_scatter_bucket(graph, sent, bucket_layouts, ctx, like=last, phase=phase)
         reader = wait_before or first_user_after(nodes, last, sg.order)
+        if ctx.stage >= 2 and k + 1 < len(buckets) and sg.order[anchors[k + 1]] < sg.order[reader]:
+            reader = anchors[k + 1]  # one reduce-scatter in flight: its packed copy dies as the next is issued
         with graph.inserting_before(reader):
             pieces = wait_and_split(graph, pending, [l.shard_numel for l in bucket_layouts], like=reader,
                                     category="grad")
