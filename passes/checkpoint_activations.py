@@ -161,7 +161,15 @@ def _backward_users(node: fx.Node) -> list[fx.Node]:
 
 
 def _is_random(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+    """An op that draws from a generator; attention with ``dropout_p`` 0 draws nothing."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        return (node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)) != 0.0
+    return True
 
 
 def _closure(wanted: list[fx.Node], members: set[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
