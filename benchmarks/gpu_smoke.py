@@ -1,6 +1,7 @@
 """GPU smoke check, for a machine with one CUDA device: the compiled step runs on the GPU and matches eager, at
 stage 0 as the loop is usually written and at stage 3 with zero_grad after the update and a short last batch;
-stage 3 in bf16 (casts of the masters gathered) trains and stays within bf16 rounding of eager.
+stage 3 in bf16 (casts of the masters gathered) trains and stays within bf16 rounding of eager; stage 3 with every
+block checkpointed and its checkpoints offloaded to pinned host memory matches eager too.
 
     python benchmarks/gpu_smoke.py
 
@@ -68,7 +69,9 @@ def main() -> None:
     checks = [("zerofx stage 0", train_step, {"stage": 0}, 1e-4),
               ("zerofx stage 3", zero_grad_last, {"stage": 3}, 1e-4),
               ("zerofx stage 3 bf16", zero_grad_last,
-               {"stage": 3, "mixed_precision": zerofx.MixedPrecision(torch.bfloat16)}, 3e-2)]
+               {"stage": 3, "mixed_precision": zerofx.MixedPrecision(torch.bfloat16)}, 3e-2),
+              ("zerofx stage 3 offload", zero_grad_last,
+               {"stage": 3, "checkpoint": "blocks", "offload_activations": True}, 1e-4)]
     for name, fn, kwargs, rtol in checks:
         losses, state = run(name, cfg, device, lambda f, kwargs=kwargs: zerofx.compile(f, **kwargs), fn)
         ref_losses, ref_state = eager[fn.__name__]
