@@ -35,7 +35,7 @@ from zerofx.passes.context import PassContext
 from zerofx.passes.flat_collectives import CATEGORY, categorize
 from zerofx.passes.graph_edit import RECOMPUTED, add_call, fake_mode_of
 from zerofx.rng import GET, SET
-from zerofx.step_graph import TAG, NodeTag, Phase, is_mutating, storage_root, tag
+from zerofx.step_graph import TAG, NodeTag, Phase, is_mutating, storage_root, tag, users_in
 from zerofx.trace_events import REGION
 
 log = logging.getLogger("zerofx")
@@ -157,7 +157,7 @@ def _kept(node: fx.Node, members: set[fx.Node]) -> bool:
 
 
 def _backward_users(node: fx.Node) -> list[fx.Node]:
-    return [u for u in node.users if tag(u) is not None and tag(u).phase == Phase.BACKWARD]
+    return users_in(node, Phase.BACKWARD)
 
 
 def _is_random(node: fx.Node) -> bool:

@@ -16,7 +16,7 @@ import torch.fx as fx
 from zerofx.passes.context import PassContext
 from zerofx.passes.flat_collectives import categorize
 from zerofx.passes.graph_edit import RECOMPUTED, add_call
-from zerofx.step_graph import Phase, tag
+from zerofx.step_graph import Phase, tag, users_in
 
 aten = torch.ops.aten
 
@@ -32,10 +32,8 @@ def offload_checkpoints(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     offloaded = 0
-    for value in _checkpoints(graph, order):
-        readers = [u for u in value.users if tag(u).phase == Phase.BACKWARD]
-        last_forward = max((u for u in value.users if tag(u).phase == Phase.FORWARD), key=order.__getitem__,
-                           default=value)
+    for value, readers in _checkpoints(graph, order):
+        last_forward = max(users_in(value, Phase.FORWARD), key=order.__getitem__, default=value)
         first_reader = min(readers, key=order.__getitem__)
         val = value.meta["val"]
         accelerated = val.device.type != "cpu"  # copies asynchronous on the device's stream
@@ -54,14 +52,15 @@ def offload_checkpoints(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _checkpoints(graph: fx.Graph, order: dict[fx.Node, int]) -> list[fx.Node]:
-    """Forward values (not inputs of the step) that backward first reads in a recomputed copy: a region's input."""
+def _checkpoints(graph: fx.Graph, order: dict[fx.Node, int]) -> list[tuple[fx.Node, list[fx.Node]]]:
+    """Forward values (not inputs of the step) that backward first reads in a recomputed copy, a region's input,
+    each with its backward readers."""
     out = []
     for node in graph.nodes:
         if node.op != "call_function" or tag(node).phase != Phase.FORWARD or node.meta.get(RECOMPUTED) \
                 or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        readers = [u for u in node.users if tag(u).phase == Phase.BACKWARD]
+        readers = users_in(node, Phase.BACKWARD)
         if readers and min(readers, key=order.__getitem__).meta.get(RECOMPUTED) == "checkpoint":
-            out.append(node)
+            out.append((node, readers))
     return out

@@ -80,6 +80,11 @@ def tag(node: fx.Node) -> NodeTag | None:
     return node.meta.get(TAG)
 
 
+def users_in(node: fx.Node, phase: Phase) -> list[fx.Node]:
+    """The nodes of ``phase`` that read ``node`` directly."""
+    return [u for u in node.users if tag(u) is not None and tag(u).phase == phase]
+
+
 def is_mutating(node: fx.Node) -> bool:
     """True for an ATen op that writes into one of its arguments (``add_``, ``copy_``, ``out=``)."""
     schema = getattr(node.target, "_schema", None)
