@@ -81,3 +81,41 @@ def accumulating_train_step(model, optimizer, x, y):
         total = total + loss.detach()
     optimizer.step()
     return total
+
+
+class HeadsAttention(nn.Module):
+    """Causal self-attention with separate q, k, v projections and heads counted from the width it receives, so that
+    splitting the projections' output features over tensor-parallel ranks splits whole heads."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
+        self.q, self.k, self.v = (nn.Linear(cfg.n_embd, cfg.n_embd) for _ in range(3))
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (f(x).view(B, T, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return F.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)), self.dropout, self.training)
+
+
+class HeadsBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(cfg.n_embd), HeadsAttention(cfg), nn.LayerNorm(cfg.n_embd)
+        self.fc, self.proj = nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class TensorParallelGPT(GPT):
+    """The test GPT with blocks whose linear layers split over a tensor-parallel group as Megatron-LM splits them
+    (`TENSOR_PARALLEL_PLAN`, per block)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(cfg)
+        self.blocks = nn.ModuleList(HeadsBlock(cfg) for _ in range(cfg.n_layer))
+        self.blocks.apply(self._init_weights)

@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from zerofx import collectives, guards, optim_support, ranks, runtime
+from zerofx.mesh import DTensorSpecs, data_parallel_group
 from zerofx.binding import StepBinding
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
@@ -47,6 +48,7 @@ class Config:
     activation_budget: float | None = None  # fraction of the checkpointed regions' activations kept (knapsack)
     recompute_pointwise: bool = True  # backward recomputes cheap pointwise outputs instead of keeping them
     offload_activations: bool = False  # checkpoints wait in host memory between forward and backward (P_a+cpu)
+    mesh: object = None  # a DeviceMesh ("dp",) or ("dp", "tp"): ZeRO over "dp", the model's DTensors over "tp"
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -64,6 +66,8 @@ class Config:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
         if not isinstance(self.max_traces, int) or self.max_traces < 1:
             raise ValueError(f"max_traces must be a positive int, got {self.max_traces!r}")
+        if self.mesh is not None and self.mixed_precision is not None:
+            raise ValueError("mesh= with mixed_precision= is not supported: tensor-parallel steps run in fp32")
 
 
 def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None, prefetch: int = 1,
@@ -71,7 +75,7 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
             dump_dir: str | None = None, verify_ranks: bool = True, track_memory: bool = False,
             max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = UNIT_CAP_BYTES,
             checkpoint: UnitRule | None = None, activation_budget: float | None = None,
-            recompute_pointwise: bool = True, offload_activations: bool = False):
+            recompute_pointwise: bool = True, offload_activations: bool = False, mesh=None):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
@@ -87,14 +91,16 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     ``checkpoint`` says otherwise) keeps that share of what backward reads from them, chosen by recompute cost.
     ``recompute_pointwise`` (on by default) lets backward remake cheap outputs (GELU's, a LayerNorm's) from inputs
     it keeps anyway instead of keeping them from forward; results are bitwise the same. ``offload_activations``
-    moves what checkpointed blocks keep to host memory until backward needs it (P_a+cpu).
+    moves what checkpointed blocks keep to host memory until backward needs it (P_a+cpu). ``mesh`` (a DeviceMesh
+    with dimensions ``("dp", "tp")``) shards ZeRO state over ``"dp"`` only, for a model whose layers
+    ``parallelize_module`` split over ``"tp"``: the tensor-parallel collectives are captured as DTensor issues them.
     """
     if (activation_budget is not None or offload_activations) and checkpoint is None:
         checkpoint = "blocks"
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
                     dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision,
                     max_traces, units, unit_cap_bytes, checkpoint, activation_budget, recompute_pointwise,
-                    offload_activations)
+                    offload_activations, mesh)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -117,6 +123,8 @@ class CompiledStep:
         self._last_records: list = []
         self._last_probe: StepProbe | None = None
         self._reads_incoming_grads: bool | None = None  # learned from the first trace
+        self._specs = DTensorSpecs()  # the DTensors among parameters and optimizer state, before they are taken
+        self._dp = data_parallel_group(config.mesh)
 
     def __call__(self, *args):
         with collectives.recording() as records:
@@ -144,7 +152,7 @@ class CompiledStep:
         compiled = self._prepare(args)
         self._last_probe = StepProbe(compiled.gm) if self.config.track_memory else None
         return runtime.execute(compiled, binding=self._binding, args=args, state=self._owned,
-                               probe=self._last_probe)
+                               probe=self._last_probe, specs=self._specs)
 
     def _prepare(self, args: tuple) -> runtime.CompiledGraph:
         """Bind, guard, capture on a new key, take the sharded state on the first call: all but running."""
@@ -153,7 +161,8 @@ class CompiledStep:
         self._args = tuple(a if i in taken else None for i, a in enumerate(args))  # not the batch: it would live on
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
-        world_size, rank, group_name = runtime.world()
+        self._specs.record(binding, args, self.config.mesh)
+        world_size, rank, group_name = self._dp.size, self._dp.rank, self._dp.group_name
         key = guards.step_key(binding, args, self._owned_parts, bool(self._reads_incoming_grads))
         frozen = guards.freeze(key)
         if key != self._last_key:
@@ -191,7 +200,7 @@ class CompiledStep:
         if self._owned is not None:
             self._owned.absorb(binding, args, layouts)
             return
-        self._owned = ShardedState.take(binding, args, layouts, self.config.stage, rank, mixed)
+        self._owned = ShardedState.take(binding, args, layouts, self.config.stage, rank, mixed, self._dp.group)
         if self.config.stage >= 1:
             self._owned_parts = guards.owned_parts(key)  # as they were before the originals were released
 
@@ -213,9 +222,8 @@ class CompiledStep:
                                    "compile a new step for other ones")
             first = self._binding is None
             self._binding, self._binding_ids = StepBinding.from_args(args), ids
-            world_size, _, _ = runtime.world()
-            if first and world_size > 1:
-                runtime.sync_module_states(self._binding)
+            if first and self._dp.size > 1:
+                runtime.sync_module_states(self._binding, self._dp.group)
         return self._binding
 
     def _build(self, binding, args, key, world_size, group_name) -> tuple[runtime.CompiledGraph, dict]:
@@ -238,7 +246,8 @@ class CompiledStep:
                           activation_budget=c.activation_budget, offload_activations=c.offload_activations,
                           recompute_pointwise=c.recompute_pointwise)
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
-                                 probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint)
+                                 probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint,
+                                 specs=self._specs)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True)
         self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)

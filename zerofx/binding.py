@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 
 from zerofx import optim_support
 from zerofx.errors import CaptureError
+from zerofx.mesh import local
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.step_graph import Role, Slot
 
@@ -140,7 +141,8 @@ def input_slots(binding: StepBinding, args: tuple, mixed: MixedPrecision | None 
 def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_trace: bool,
                  override: Callable[[Slot], Any] | None = None, mixed: MixedPrecision | None = None) -> list:
     """The values to feed the graph for ``slots``: from ``override`` (the state a sharded step owns) where it has
-    one, else from the module, optimizer and batch. For tracing, trainable parameters are leaves requiring grad."""
+    one, else from the module, optimizer and batch. For tracing, trainable parameters are leaves requiring grad
+    (a DTensor's local tensor does not: the DTensor rebuilt over it in the trace is the leaf)."""
     optimizers = binding.optimizers(args)
     by_fqn = {}
     for oi, opt in enumerate(optimizers):
@@ -182,7 +184,7 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
             values.append(torch.tensor(value, dtype=torch.float64) if for_trace else value)
         elif s.role == Role.BATCH:
             values.append(next(batch_iter))
-    return values
+    return [local(v) for v in values]
 
 
 def _parse_hyperparam(name: str) -> optim_support.HyperparamKey:

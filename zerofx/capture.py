@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -30,6 +31,7 @@ from torch.nn.utils import stateless
 from zerofx import optim_support
 from zerofx.binding import StepBinding, input_slots, input_values
 from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
+from zerofx.mesh import DTensorSpecs, local, rebuild
 from zerofx.rng import traced_rng_state
 from zerofx.mixed_precision import MixedPrecision, MixedPrecisionTrace, drop_superseded_conversions
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, is_mutating, storage_root
@@ -49,18 +51,23 @@ class CapturedStep:
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
             override: Callable[[Slot], Any] | None = None, mixed: MixedPrecision | None = None,
-            grads: list[str] = (), checkpoint: UnitRule | None = None) -> CapturedStep:
+            grads: list[str] = (), checkpoint: UnitRule | None = None,
+            specs: DTensorSpecs | None = None) -> CapturedStep:
     """Trace ``train_step(*args)`` with fake tensors into a tagged ATen graph. Nothing real is computed or changed.
     ``override`` supplies stand-ins for state the module no longer holds (a sharded step re-tracing); ``mixed``
     traces forward and backward in its ``param_dtype`` with the optimizer on fp32 master weights; ``grads`` names
     the parameters whose ``.grad`` the step finds set (the graph keeps those it reads as inputs); the forward nodes of
-    each module ``checkpoint`` picks are marked as a region (`RegionRecorder`) for the pass that recomputes them."""
+    each module ``checkpoint`` picks are marked as a region (`RegionRecorder`) for the pass that recomputes them.
+    The inputs ``specs`` names enter as local tensors and are DTensors again inside the trace (`zerofx.mesh`)."""
     optimizers = binding.optimizers(args)
     modules = binding.modules(args)
     for opt in optimizers:
         optim_support.init_lazy_state(opt)
     slots = input_slots(binding, args, mixed, grads)
     real_inputs = input_values(binding, args, slots, for_trace=True, override=override, mixed=mixed)
+    dtensor_specs = {i: spec for i, s in enumerate(slots) if specs and (spec := specs.of(s)) is not None}
+    for i in dtensor_specs:  # the rebuilt DTensor is the autograd leaf, its local tensor a plain graph input
+        real_inputs[i] = real_inputs[i].detach()
     batch_structure = binding.batch(args)
     recorder = PhaseRecorder()
     regions = RegionRecorder(recorder)
@@ -71,10 +78,16 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
 
     def traced(*flat):
         fakes = dict(zip(range(len(slots)), flat))
+        for i, spec in dtensor_specs.items():
+            s = slots[i]
+            fakes[i] = rebuild(fakes[i], spec, s.role == Role.PARAM and binding.params[s.fqn].requires_grad)
         fake_params = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.PARAM}
         fake_masters = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.MASTER}
         fake_buffers = {s.fqn: fakes[i] for i, s in enumerate(slots) if s.role == Role.BUFFER}
         by_role = {s.role: fakes[i] for i, s in enumerate(slots)}
+        # the optimizers update local tensors: every supported update is elementwise, the same on a shard
+        local_fakes = {i: local(f) for i, f in fakes.items()}
+        optimizer_targets = {fqn: local(p) for fqn, p in {**fake_params, **fake_masters}.items()}
         for i, s in enumerate(slots):
             if s.role == Role.GRAD_IN:
                 fake_params[s.fqn].grad = fakes[i]
@@ -110,7 +123,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                 stack.enter_context(hook(torch.nn.modules.module.register_module_forward_pre_hook(
                     lambda *_: mixed_trace.show_compute())))
             for oi, opt in enumerate(optimizers):
-                stack.enter_context(swap_optimizer(opt, oi, binding, slots, fakes, {**fake_params, **fake_masters}))
+                stack.enter_context(swap_optimizer(opt, oi, binding, slots, local_fakes,
+                                                   {**fake_params, **fake_masters}, optimizer_targets))
                 stack.enter_context(hook(opt.register_step_pre_hook(
                     lambda *_: on_optimizer_start(recorder, fake_params))))
                 stack.enter_context(hook(opt.register_step_post_hook(lambda o, *_: optimizer_end(o))))
@@ -178,12 +192,15 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
     values = []
 
     def emit(value, slot, keep=True):
-        values.append(value)
+        values.append(local(value))
         out_slots.append((slot, keep))
 
     leaves, spec = pytree.tree_flatten(user_out)
     constants = {}
     for i, leaf in enumerate(leaves):
+        if isinstance(leaf, DTensor):
+            raise CaptureError(f"the train step returns a DTensor (output leaf {i}, placements {leaf.placements})",
+                               hint="return leaf.full_tensor() or a plain tensor such as the loss")
         if isinstance(leaf, torch.Tensor):
             emit(leaf, Slot(Role.USER_OUTPUT, key=str(i)))
         elif isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -197,8 +214,8 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
     for fqn, p in fake_params.items():
         if p.grad is not None and not any(s.role == Role.MASTER for s in slots):  # mixed: grads stay inside
             emit(p.grad, Slot(Role.GRAD_OUT, fqn))
-    input_fakes = {id(fakes[i]) for i in range(len(slots))}
-    fqn_of_fake = {id(p): fqn for fqn, p in {**fake_params, **fake_masters}.items()}
+    input_fakes = {id(local(fakes[i])) for i in range(len(slots))}
+    fqn_of_fake = {id(local(p)): fqn for fqn, p in {**fake_params, **fake_masters}.items()}
     for oi, opt in enumerate(optimizers):
         for fp, state in opt.state.items():
             for key, value in state.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,7 @@ from zerofx.binding import StepBinding, incoming_grads, input_values, present_gr
 from zerofx.capture import CapturedStep, capture
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
+from zerofx.mesh import DTensorSpecs, local, wrap
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext, pipeline
 from zerofx.sharded_state import ShardedState
@@ -36,7 +38,25 @@ class CompiledGraph:
 
     @property
     def fingerprint(self) -> int:
-        return int.from_bytes(hashlib.sha256(self.gm.code.encode()).digest()[:8], "little") >> 1
+        """A hash of the graph's code, with process groups named by first appearance: the same graph on ranks of
+        different tensor-parallel groups (whose names differ) has the same fingerprint."""
+        code = self.gm.code
+        for i, name in enumerate(dict.fromkeys(_group_names(self.gm.graph))):
+            code = code.replace(repr(name), f"'group{i}'")
+        return int.from_bytes(hashlib.sha256(code.encode()).digest()[:8], "little") >> 1
+
+
+def _group_names(graph: fx.Graph):
+    """The process-group names the graph's collectives (functional ones and zerofx's) take, in graph order."""
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        names = ([a.name for a in schema.arguments] if schema is not None
+                 else list(inspect.signature(node.target).parameters))
+        for name, value in zip(names, node.args):
+            if name in ("group_name", "group") and isinstance(value, str):
+                yield value
 
 
 def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
@@ -53,17 +73,17 @@ def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
           state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool,
-          checkpoint: UnitRule | None = None) -> CompiledGraph:
+          checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None) -> CompiledGraph:
     """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
     learn whether the step reads them; if it reads one that this call does not have, capture again without.
-    ``checkpoint`` picks the modules whose activations backward recomputes."""
+    ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs."""
     override = state.trace_value if state else None
     captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe_grads),
-                       checkpoint)
+                       checkpoint, specs)
     read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
     if not read <= set(present_grads(binding)):
         captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=False),
-                           checkpoint)
+                           checkpoint, specs)
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
@@ -86,9 +106,10 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
 
 
 def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: ShardedState | None,
-            probe: StepProbe | None = None):
+            probe: StepProbe | None = None, specs: DTensorSpecs | None = None):
     """Run the graph on this rank's state and batch; write back what eager would leave behind; return the user's
-    output. With a ``probe`` the graph runs node by node and the probe measures its memory."""
+    output. With a ``probe`` the graph runs node by node and the probe measures its memory. What eager leaves as a
+    DTensor (``specs``) is wrapped back into one."""
     inputs = input_values(binding, args, compiled.input_slots, for_trace=False,
                           override=state.lookup if state else None)
     try:
@@ -99,6 +120,8 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
     user_leaves = dict(compiled.captured.user_out_constants)
     optimizers = binding.optimizers(args)
     for slot, value in zip(compiled.output_slots, outputs):
+        spec = specs.of(slot) if specs else None
+        value = value if spec is None else wrap(value, spec)
         if slot.role == Role.USER_OUTPUT:
             user_leaves[int(slot.key)] = value
         elif slot.role == Role.GRAD_OUT:
@@ -124,24 +147,17 @@ def _set_buffer(binding: StepBinding, args: tuple, fqn: str, value: torch.Tensor
                 binding.buffers[fqn] = value
 
 
-def sync_module_states(binding: StepBinding) -> None:
-    """As DDP does at construction: every rank starts from rank 0's parameters and buffers."""
-    tensors = [p.detach() for p in binding.params.values()] + list(binding.buffers.values())
+def sync_module_states(binding: StepBinding, group: dist.ProcessGroup | None = None) -> None:
+    """As DDP does at construction: every rank of ``group`` starts from its first rank's parameters and buffers
+    (of a tensor-parallel parameter, the local shard: the group is then one column of the mesh)."""
+    tensors = [local(t.detach()) for t in [*binding.params.values(), *binding.buffers.values()]]
     by_dtype: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        collectives.broadcast_control(flat, src=0)
+        collectives.broadcast_control(flat, src=0, group=group)
         offset = 0
         for t in same:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
-
-
-def world() -> tuple[int, int, str | None]:
-    """(world size, rank, group name) of the default group; (1, 0, None) without one."""
-    if dist.is_available() and dist.is_initialized():
-        size = dist.get_world_size()
-        return size, dist.get_rank(), (collectives.group_name() if size > 1 else None)
-    return 1, 0, None

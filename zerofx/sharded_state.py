@@ -14,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from zerofx.binding import StepBinding
+from zerofx.mesh import local, release
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.sharding import ParamLayout
 from zerofx.step_graph import Role, Slot
@@ -36,11 +38,13 @@ class ShardedState:
     growth_tracker: torch.Tensor | None = None
     module_params: dict[str, torch.Tensor] = field(default_factory=dict)  # the module's, by fqn (frozen ones stay)
     frozen_casts: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)  # mixed: frozen, in param_dtype
+    group: dist.ProcessGroup | None = None  # the ranks the shards are spread over (the mesh's "dp"; None: all)
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
-             rank: int, mixed: MixedPrecision | None = None) -> "ShardedState":
-        state = cls(stage, rank, {}, mixed, module_params=binding.params)
+             rank: int, mixed: MixedPrecision | None = None,
+             group: dist.ProcessGroup | None = None) -> "ShardedState":
+        state = cls(stage, rank, {}, mixed, module_params=binding.params, group=group)
         if mixed is not None and mixed.scaling is not None:
             device = next(iter(binding.params.values())).device
             state.loss_scale = torch.tensor(mixed.scaling.init_scale, dtype=torch.float32, device=device)
@@ -55,7 +59,7 @@ class ShardedState:
         self.layouts.update(new)
         mixed = self.mixed
         for fqn, layout in new.items():
-            p = binding.params[fqn].detach()
+            p = local(binding.params[fqn])
             compute = p.to(mixed.param_dtype) if mixed else p
             self.frozen_casts.pop(fqn, None)
             if self.stage == 0:
@@ -78,6 +82,7 @@ class ShardedState:
                 for key, value in entries.items():
                     if not isinstance(value, torch.Tensor):
                         continue
+                    value = local(value)
                     if new[fqn].shards(key, value.shape):
                         self.opt_state[(oi, fqn, key)] = new[fqn].shard_of(value, self.rank)
                         self.sharded_state_keys.add((oi, fqn, key))
@@ -88,9 +93,8 @@ class ShardedState:
 
     def _release(self, binding: StepBinding, args: tuple, fqns) -> None:
         for fqn in fqns:
-            p = binding.params[fqn]
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            p.grad = None
+            release(binding.params[fqn])
+            binding.params[fqn].grad = None
         released = {id(binding.params[fqn]) for fqn in fqns}
         for opt in binding.optimizers(args):
             for p, entries in opt.state.items():

@@ -23,6 +23,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from zerofx.flat_shards import every_rank_holds, rank_boxes, sharded_view
+from zerofx.mesh import wrap
 from zerofx.sharding import ParamLayout, gather_full
 
 
@@ -30,6 +31,10 @@ def state_dict(step) -> dict:
     """This rank's part of the step's state, in place. Every rank calls it (it gathers only parameters smaller than
     about one element per rank)."""
     binding, args, owned = _bound(step)
+    if step._specs and owned is not None and owned.stage >= 1:
+        raise NotImplementedError("zerofx.state_dict of a step with tensor-parallel (DTensor) parameters: its shards "
+                                  "are not laid out for torch.distributed.checkpoint yet; use "
+                                  "zerofx.full_state_dict(step)")
     rank = owned.rank if owned is not None else 0
     in_place = (lambda layout, shard: _sharded(layout, shard, rank), torch.Tensor.detach)
     params = {fqn: _param(fqn, binding, owned, *in_place) for fqn in binding.params}
@@ -39,11 +44,18 @@ def state_dict(step) -> dict:
 
 def full_state_dict(step, *, rank0_only: bool = False) -> dict:
     """Full copies of the step's state. Every rank must call it (stages 1-3 gather); with ``rank0_only`` the other
-    ranks get an empty dict."""
+    ranks get an empty dict. Under a mesh, shards are gathered over its ``"dp"`` dimension and a tensor-parallel
+    parameter (and its optimizer state) comes back as a DTensor over ``"tp"``, as the model had it."""
     binding, args, owned = _bound(step)
-    gathered = (gather_full, lambda t: t.detach().clone())
-    params = {fqn: _param(fqn, binding, owned, *gathered) for fqn in binding.params}
-    out = _assemble(step, params, lambda oi, fqn, key, value: _state(oi, fqn, key, value, owned, *gathered),
+    group, specs = (owned.group if owned is not None else None), step._specs
+    gathered = (lambda layout, shard: gather_full(layout, shard, group), lambda t: t.detach().clone())
+    params = {fqn: _as_dtensor(_param(fqn, binding, owned, *gathered), specs.params.get(fqn))
+              for fqn in binding.params}
+
+    def state(oi, fqn, key, value):
+        return _as_dtensor(_state(oi, fqn, key, value, owned, *gathered), specs.states.get((oi, fqn, key)))
+
+    out = _assemble(step, params, state,
                     {"scale": owned.loss_scale.item(), "growth_tracker": int(owned.growth_tracker.item())}
                     if _scaled(owned) else None)
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
@@ -132,6 +144,10 @@ def _param(fqn, binding, owned, of_shard, whole):
     if stored.numel() == layout.padded_numel:  # stages 1-2 (or one rank): the whole parameter, padded
         return whole(layout.unpad(stored))
     return of_shard(layout, stored)
+
+
+def _as_dtensor(value, spec):
+    return value if spec is None or isinstance(value, DTensor) else wrap(value, spec)
 
 
 def _state(oi, fqn, key, value, owned, of_shard, whole):

@@ -12,6 +12,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from zerofx import optim_support
 from zerofx.binding import StepBinding
 from zerofx.errors import CaptureError
+from zerofx.mesh import local
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot
 
 
@@ -34,7 +35,7 @@ class PhaseRecorder:
         mode = get_proxy_mode()
         for fqn, p in fake_params.items():
             if p.grad is not None:
-                self.grad_nodes.append((get_proxy_slot(p.grad, mode.tracer).proxy.node, Slot(role, fqn)))
+                self.grad_nodes.append((get_proxy_slot(local(p.grad), mode.tracer).proxy.node, Slot(role, fqn)))
 
     def _flush(self, pending_phase: Phase) -> None:
         mode = get_proxy_mode()
@@ -120,6 +121,9 @@ def hook(handle):
 def on_optimizer_start(recorder: PhaseRecorder, fake_params: dict) -> None:
     recorder.event("optimizer_start")
     recorder.note_grads(fake_params, Role.OPTIMIZER_GRAD)
+    for p in fake_params.values():
+        if local(p) is not p:  # a DTensor: the optimizer updates its local tensor, from the local gradient
+            local(p).grad = None if p.grad is None else local(p.grad)
 
 
 @contextlib.contextmanager
@@ -147,9 +151,12 @@ def track_backward(recorder: PhaseRecorder, fake_params: dict, mixed_trace=None)
 
 
 @contextlib.contextmanager
-def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes: dict, fake_params: dict):
+def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes: dict, fake_params: dict,
+                   step_params: dict):
     """Point the optimizer at the traced parameters (``fake_params``: fqn -> what it updates, the master weights
-    under mixed precision), state and tensor hyperparameters; restore it after."""
+    under mixed precision), state and tensor hyperparameters; restore it after. While it steps, it holds
+    ``step_params`` instead (the local tensors of DTensor parameters; ``zero_grad`` outside a step still sees the
+    DTensors), and its state is keyed by them."""
     spec = optim_support.spec_for(opt)
     fqn_of = binding.fqn_of
     fake_state = {(s.fqn, s.key): fakes[i] for i, s in enumerate(slots)
@@ -159,14 +166,14 @@ def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes:
     saved_groups = [dict(g) for g in opt.param_groups]
     saved_state = opt.state
     new_state = type(saved_state)(dict) if isinstance(saved_state, dict) else {}
+    outside, inside = [], []
     for gi, group in enumerate(opt.param_groups):
-        fakes_in_group = []
-        for p in group["params"]:
-            fp = fake_params[fqn_of[id(p)]]
-            fakes_in_group.append(fp)
+        outside.append([fake_params[fqn_of[id(p)]] for p in group["params"]])
+        inside.append([step_params[fqn_of[id(p)]] for p in group["params"]])
+        for p, sp in zip(group["params"], inside[-1]):
             if p in saved_state:
-                new_state[fp] = {k: fake_state.get((fqn_of[id(p)], k), v) for k, v in saved_state[p].items()}
-        group["params"] = fakes_in_group
+                new_state[sp] = {k: fake_state.get((fqn_of[id(p)], k), v) for k, v in saved_state[p].items()}
+        group["params"] = outside[-1]
         for hkey in spec.tensor_hyperparams:
             # .item() in the graph: the optimizer computes with a Python float, in double, exactly as eager does
             value = hyper[(gi, optim_support.hyperparam_name(hkey))].item()
@@ -177,8 +184,15 @@ def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes:
             if flag in group:
                 group[flag] = value
     opt.state = new_state
+
+    def hold(params):
+        for group, ps in zip(opt.param_groups, params):
+            group["params"] = ps
+
     try:
-        yield
+        with hook(opt.register_step_pre_hook(lambda *_: hold(inside))), \
+                hook(opt.register_step_post_hook(lambda *_: hold(outside))):
+            yield
     finally:
         for group, saved in zip(opt.param_groups, saved_groups):
             group.clear()

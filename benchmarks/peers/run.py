@@ -24,6 +24,7 @@ from nanogpt import GPTConfig
 from peers import measure, systems
 from peers.models import LlamaShape, build
 from zerofx import formulas
+from zerofx.collectives import gloo_one_worker
 
 REFERENCE = "FSDP2 reshard"
 
@@ -212,7 +213,10 @@ def worker(rank: int, world_size: int, port: int, settings: Settings, text: str,
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    # one gloo worker thread: torch 2.13's gloo with two corrupts its heap under concurrent collectives
+    # (benchmarks/repro_gloo_heap_corruption.py); every system runs on the same group
+    dist.init_process_group(gloo_one_worker(), rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=300))
     try:
         bench = Bench(settings, rank, text)
         measured = bench.run()

@@ -1,0 +1,67 @@
+"""ZeRO over the "dp" dimension of a 2 × 2 mesh, tensor parallelism over "tp": zerofx against FSDP2 (``fully_shard``
+over "dp") with the same ``parallelize_module`` plan, in eager. test_tensor_parallel.py calls these."""
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import zerofx
+from models import GPTConfig, TensorParallelGPT, token_batch, train_step
+from nanogpt import param_groups
+
+CFG = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
+PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(), "fc": ColwiseParallel(), "proj": RowwiseParallel()}
+
+
+def _tensor_parallel_model(mesh):
+    torch.manual_seed(0)
+    model = TensorParallelGPT(CFG)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], PLAN)
+    return model
+
+
+def _full(value) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _fsdp2(mesh, steps):
+    model = _tensor_parallel_model(mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
+    dp_rank = mesh["dp"].get_local_rank()
+    losses = [train_step(model, opt, *token_batch(i, dp_rank, cfg=CFG)).item() for i in range(steps)]
+    return losses, {name: _full(p.detach()) for name, p in model.named_parameters()}
+
+
+def _zerofx(mesh, stage, steps, **compile_kwargs):
+    model = _tensor_parallel_model(mesh)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
+    step = zerofx.compile(train_step, stage=stage, mesh=mesh, **compile_kwargs)
+    dp_rank = mesh["dp"].get_local_rank()
+    losses = [step(model, opt, *token_batch(i, dp_rank, cfg=CFG)).item() for i in range(steps)]
+    return losses, zerofx.full_state_dict(step)["model"], step
+
+
+def stages_match_fsdp2(rank, world_size, stages=(0, 1, 2, 3), steps=10, variants=({},)):
+    """Every stage, with each of ``variants`` (compile keyword arguments), against one FSDP2 + TP run: losses and
+    full parameters within rtol 1e-5. Returns each run's losses."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    want_losses, want_params = _fsdp2(mesh, steps)
+    runs = {}
+    for stage in stages:
+        for variant in variants:
+            losses, got, _ = _zerofx(mesh, stage, steps, **variant)
+            name = f"stage {stage} {variant}"
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{name}: {m}")
+            for key, want in want_params.items():
+                torch.testing.assert_close(_full(got[key]), want, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{name}, {key}: {m}")
+            runs[name] = losses
+    return runs
