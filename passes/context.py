@@ -25,4 +25,10 @@ class PassContext:
     activation_budget: float | None = None
     offload_activations: bool = False  # checkpointed regions' saved inputs wait in host memory (P_a+cpu)
     recompute_pointwise: bool = False  # backward recomputes cheap pointwise outputs from inputs it keeps anyway
+    # tensor parallelism (a mesh's "tp" dimension): its size and group, the parameters whose local tensors differ
+    # across its ranks (split by parallelize_module), and whether checkpoints are split across it (P_a)
+    tp_size: int = 1
+    tp_group_name: str | None = None
+    tp_sharded: frozenset[str] = frozenset()
+    partition_activations: bool = False
     artifacts: dict[str, Any] = field(default_factory=dict)  # what passes leave for the runtime and reports

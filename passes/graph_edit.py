@@ -8,12 +8,14 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from zerofx.step_graph import TAG, NodeTag, Phase
+from zerofx.step_graph import TAG, NodeTag, Phase, tag, users_in
 
 
 INSERTED = "zerofx_inserted"  # node.meta flag: added by a pass (its metadata is set when it is added)
 # node.meta: a copy of a forward node that backward runs, and which pass made it ("checkpoint", "pointwise")
 RECOMPUTED = "zerofx_recomputed"
+# node.meta flag: rebuilds a checkpoint kept in pieces (P_a's all-gather) for the recompute that follows
+RESTORES_CHECKPOINT = "zerofx_restores_checkpoint"
 SHARD = "zerofx_shard"  # node.meta flag: holds this rank's shard of a parameter, its state or its gradient
 
 
@@ -41,6 +43,21 @@ def add_call(graph: fx.Graph, target: Callable, args: tuple, *, like: fx.Node, p
     if "stack_trace" in like.meta:
         node.meta["stack_trace"] = like.meta["stack_trace"]
     return node
+
+
+def saved_checkpoints(graph: fx.Graph, order: dict[fx.Node, int]) -> list[tuple[fx.Node, list[fx.Node]]]:
+    """Forward values (not inputs of the step) that backward first reads to recompute a checkpointed region (in a
+    recomputed copy, or in a node marked ``meta[RESTORES_CHECKPOINT]``), each with its backward readers."""
+    out = []
+    for node in graph.nodes:
+        if node.op != "call_function" or tag(node).phase != Phase.FORWARD or node.meta.get(RECOMPUTED) \
+                or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        readers = users_in(node, Phase.BACKWARD)
+        first = min(readers, key=order.__getitem__, default=None)
+        if first is not None and (first.meta.get(RECOMPUTED) == "checkpoint" or first.meta.get(RESTORES_CHECKPOINT)):
+            out.append((node, readers))
+    return out
 
 
 def first_user_after(nodes: list[fx.Node], after: fx.Node, order: dict[fx.Node, int],

@@ -15,24 +15,25 @@ import torch.fx as fx
 
 from zerofx.passes.context import PassContext
 from zerofx.passes.flat_collectives import categorize
-from zerofx.passes.graph_edit import RECOMPUTED, add_call
-from zerofx.step_graph import Phase, tag, users_in
+from zerofx.passes.graph_edit import add_call, saved_checkpoints
+from zerofx.step_graph import Phase, users_in
 
 aten = torch.ops.aten
 
 
 def offload_checkpoints(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Expects: ``checkpoint_activations`` has run (its copies marked ``meta[RECOMPUTED]``);
-    ``ctx.offload_activations`` (False: unchanged). Guarantees: every forward value that backward first reads in a
-    recomputed copy is copied to host memory right after its last forward reader and back right before that first
-    reader, and every backward reader reads the copy back; values are unchanged. Leaves
+    ``ctx.offload_activations`` (False: unchanged). Guarantees: every forward value that backward first reads to
+    recompute a region (`saved_checkpoints`: a block's input, or P_a's slice of it) is copied to host memory right
+    after its last forward reader and back right before that first reader, and every backward reader reads the copy
+    back; values are unchanged. Leaves
     ``ctx.artifacts["offloaded_bytes"]``."""
     if not ctx.offload_activations:
         return gm
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     offloaded = 0
-    for value, readers in _checkpoints(graph, order):
+    for value, readers in saved_checkpoints(graph, order):
         last_forward = max(users_in(value, Phase.FORWARD), key=order.__getitem__, default=value)
         first_reader = min(readers, key=order.__getitem__)
         val = value.meta["val"]
@@ -51,16 +52,3 @@ def offload_checkpoints(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gm.recompile()
     return gm
 
-
-def _checkpoints(graph: fx.Graph, order: dict[fx.Node, int]) -> list[tuple[fx.Node, list[fx.Node]]]:
-    """Forward values (not inputs of the step) that backward first reads in a recomputed copy, a region's input,
-    each with its backward readers."""
-    out = []
-    for node in graph.nodes:
-        if node.op != "call_function" or tag(node).phase != Phase.FORWARD or node.meta.get(RECOMPUTED) \
-                or not isinstance(node.meta.get("val"), torch.Tensor):
-            continue
-        readers = users_in(node, Phase.BACKWARD)
-        if readers and min(readers, key=order.__getitem__).meta.get(RECOMPUTED) == "checkpoint":
-            out.append((node, readers))
-    return out

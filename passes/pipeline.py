@@ -13,6 +13,7 @@ from zerofx.passes.bucket_allreduce import bucket_allreduce
 from zerofx.passes.cast_params_at_gather import cast_params_at_gather
 from zerofx.passes.checkpoint_activations import checkpoint_activations
 from zerofx.passes.offload_checkpoints import offload_checkpoints
+from zerofx.passes.partition_checkpoints import partition_checkpoints
 from zerofx.passes.recompute_pointwise import recompute_pointwise
 from zerofx.passes.context import PassContext
 from zerofx.passes.allgather_params import allgather_params
@@ -26,14 +27,18 @@ from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
+# every stage begins with these: the step as the user wrote it, its activations checkpointed, split, offloaded
+_EVERY_STAGE: tuple[Pass, ...] = (remove_profiler_ops, checkpoint_activations, partition_checkpoints,
+                                  offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers)
+
 _STAGES: dict[int, tuple[Pass, ...]] = {
-    0: (remove_profiler_ops, checkpoint_activations, offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, bucket_allreduce),
-    1: (remove_profiler_ops, checkpoint_activations, offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
-        allgather_params, propagate_shard_shapes),
-    2: (remove_profiler_ops, checkpoint_activations, offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
-        allgather_params, propagate_shard_shapes),
-    3: (remove_profiler_ops, checkpoint_activations, offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers, shard_optimizer_state, gather_params,
-        cast_params_at_gather, reduce_scatter_grads, global_grad_norm, propagate_shard_shapes),
+    0: (*_EVERY_STAGE, bucket_allreduce),
+    1: (*_EVERY_STAGE, shard_optimizer_state, reduce_scatter_grads, global_grad_norm, allgather_params,
+        propagate_shard_shapes),
+    2: (*_EVERY_STAGE, shard_optimizer_state, reduce_scatter_grads, global_grad_norm, allgather_params,
+        propagate_shard_shapes),
+    3: (*_EVERY_STAGE, shard_optimizer_state, gather_params, cast_params_at_gather, reduce_scatter_grads,
+        global_grad_norm, propagate_shard_shapes),
 }
 
 

@@ -48,20 +48,28 @@ def _zerofx(mesh, stage, steps, **compile_kwargs):
     return losses, zerofx.full_state_dict(step)["model"], step
 
 
-def stages_match_fsdp2(rank, world_size, stages=(0, 1, 2, 3), steps=10, variants=({},)):
-    """Every stage, with each of ``variants`` (compile keyword arguments), against one FSDP2 + TP run: losses and
-    full parameters within rtol 1e-5. Returns each run's losses."""
+CHECKPOINTED = {"checkpoint": "blocks", "track_memory": True}
+VARIANTS = {"plain": {}, "blocks": CHECKPOINTED, "P_a": {**CHECKPOINTED, "partition_activations": True},
+            "P_a+cpu": {**CHECKPOINTED, "partition_activations": True, "offload_activations": True}}
+
+
+def stages_match_fsdp2(rank, world_size, runs=tuple((s, "plain") for s in range(4)), steps=10):
+    """Each (stage, variant) of ``runs`` against one FSDP2 + TP run: losses and full parameters within rtol 1e-5.
+    Returns each run's losses and measured figures."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     want_losses, want_params = _fsdp2(mesh, steps)
-    runs = {}
-    for stage in stages:
-        for variant in variants:
-            losses, got, _ = _zerofx(mesh, stage, steps, **variant)
-            name = f"stage {stage} {variant}"
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0,
-                                       msg=lambda m: f"{name}: {m}")
-            for key, want in want_params.items():
-                torch.testing.assert_close(_full(got[key]), want, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{name}, {key}: {m}")
-            runs[name] = losses
-    return runs
+    out = {}
+    for stage, variant in runs:
+        losses, got, step = _zerofx(mesh, stage, steps, **VARIANTS[variant])
+        name = f"stage {stage} {variant}"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"{name}: {m}")
+        for key, want in want_params.items():
+            torch.testing.assert_close(_full(got[key]), want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name}, {key}: {m}")
+        stats = step.stats()
+        out[name] = {"losses": losses, "resident": stats.resident_checkpoint_bytes,
+                     "offloaded": stats.offloaded_bytes, "checkpoint_bytes": stats.checkpoint_bytes,
+                     "tp_comm": stats.tp_comm_volume, "activation_comm": stats.activation_comm_volume,
+                     "report": zerofx.report(step, print_output=False)}
+    return out

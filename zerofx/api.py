@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from zerofx import collectives, guards, optim_support, ranks, runtime
-from zerofx.mesh import DTensorSpecs, data_parallel_group
+from zerofx.mesh import DTensorSpecs, mesh_ranks
 from zerofx.binding import StepBinding
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
@@ -49,6 +49,7 @@ class Config:
     recompute_pointwise: bool = True  # backward recomputes cheap pointwise outputs instead of keeping them
     offload_activations: bool = False  # checkpoints wait in host memory between forward and backward (P_a+cpu)
     mesh: object = None  # a DeviceMesh ("dp",) or ("dp", "tp"): ZeRO over "dp", the model's DTensors over "tp"
+    partition_activations: bool = False  # P_a: checkpoints replicated over "tp" kept as 1/tp slices
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -75,7 +76,8 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
             dump_dir: str | None = None, verify_ranks: bool = True, track_memory: bool = False,
             max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = UNIT_CAP_BYTES,
             checkpoint: UnitRule | None = None, activation_budget: float | None = None,
-            recompute_pointwise: bool = True, offload_activations: bool = False, mesh=None):
+            recompute_pointwise: bool = True, offload_activations: bool = False, mesh=None,
+            partition_activations: bool = False):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
@@ -94,13 +96,15 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     moves what checkpointed blocks keep to host memory until backward needs it (P_a+cpu). ``mesh`` (a DeviceMesh
     with dimensions ``("dp", "tp")``) shards ZeRO state over ``"dp"`` only, for a model whose layers
     ``parallelize_module`` split over ``"tp"``: the tensor-parallel collectives are captured as DTensor issues them.
+    ``partition_activations`` (P_a) keeps each checkpoint that the tp ranks hold alike as this rank's 1/tp slice,
+    all-gathered over tp before its recompute (with ``offload_activations``, the slices wait in host memory).
     """
-    if (activation_budget is not None or offload_activations) and checkpoint is None:
+    if (activation_budget is not None or offload_activations or partition_activations) and checkpoint is None:
         checkpoint = "blocks"
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
                     dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision,
                     max_traces, units, unit_cap_bytes, checkpoint, activation_budget, recompute_pointwise,
-                    offload_activations, mesh)
+                    offload_activations, mesh, partition_activations)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -124,7 +128,10 @@ class CompiledStep:
         self._last_probe: StepProbe | None = None
         self._reads_incoming_grads: bool | None = None  # learned from the first trace
         self._specs = DTensorSpecs()  # the DTensors among parameters and optimizer state, before they are taken
-        self._dp = data_parallel_group(config.mesh)
+        self._dp = mesh_ranks(config.mesh)
+        if config.partition_activations and self._dp.tp_size == 1:
+            log.warning("zerofx: partition_activations (P_a) splits checkpoints across a tensor-parallel group; "
+                        "without a mesh with a 'tp' dimension larger than 1 it changes nothing")
 
     def __call__(self, *args):
         with collectives.recording() as records:
@@ -152,7 +159,7 @@ class CompiledStep:
         compiled = self._prepare(args)
         self._last_probe = StepProbe(compiled.gm) if self.config.track_memory else None
         return runtime.execute(compiled, binding=self._binding, args=args, state=self._owned,
-                               probe=self._last_probe, specs=self._specs)
+                               probe=self._last_probe, specs=self._specs, tp_rank=self._dp.tp_rank)
 
     def _prepare(self, args: tuple) -> runtime.CompiledGraph:
         """Bind, guard, capture on a new key, take the sharded state on the first call: all but running."""
@@ -244,7 +251,9 @@ class CompiledStep:
         ctx = PassContext(c.stage, world_size, group_name, c.bucket_bytes or UNSHARDED_BUCKET_BYTES, c.prefetch,
                           c.reshard_after_forward, reduce_dtype, units, c.unit_cap_bytes,
                           activation_budget=c.activation_budget, offload_activations=c.offload_activations,
-                          recompute_pointwise=c.recompute_pointwise)
+                          recompute_pointwise=c.recompute_pointwise, tp_size=self._dp.tp_size,
+                          tp_group_name=self._dp.tp_group_name, tp_sharded=self._specs.split(),
+                          partition_activations=c.partition_activations)
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
                                  probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint,
                                  specs=self._specs)

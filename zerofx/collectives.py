@@ -99,11 +99,12 @@ def broadcast(tensor: torch.Tensor, src: int, group: str, group_size: int) -> to
     return _c10d.broadcast(tensor, src, group)
 
 
-def all_gather(tensor: torch.Tensor, group: str, group_size: int) -> torch.Tensor:
-    """Asynchronous: the result holds every rank's ``tensor``, rank-major (``group_size * numel`` elements)."""
+def all_gather(tensor: torch.Tensor, group: str, group_size: int, purpose: str = "data") -> torch.Tensor:
+    """Asynchronous: the result holds every rank's ``tensor``, rank-major (``group_size * numel`` elements).
+    ``purpose`` files it in the records ("data": model states; "activations": P_a's checkpoints)."""
     if group_size == 1:
         return tensor
-    _record("all_gather", tensor, tensor.numel() * group_size, group_size)
+    _record("all_gather", tensor, tensor.numel() * group_size, group_size, purpose)
     return _c10d.all_gather_into_tensor(tensor, group_size, group)
 
 

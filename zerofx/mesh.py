@@ -24,31 +24,40 @@ DATA_PARALLEL, TENSOR_PARALLEL = "dp", "tp"
 
 
 @dataclass(frozen=True)
-class DataParallelGroup:
-    """The ranks ZeRO shards over: the mesh's ``"dp"`` dimension, or the default group without a mesh."""
+class MeshRanks:
+    """This rank's place: in the group ZeRO shards over (the mesh's ``"dp"`` dimension, or every rank without a
+    mesh), and in the tensor-parallel group (``"tp"``; alone without one)."""
     size: int
     rank: int
     group: dist.ProcessGroup | None  # None: the default group
     tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
 
     @property
     def group_name(self) -> str | None:
         return (self.group or dist.group.WORLD).group_name if self.size > 1 else None
 
+    @property
+    def tp_group_name(self) -> str | None:
+        return self.tp_group.group_name if self.tp_group is not None else None
 
-def data_parallel_group(mesh) -> DataParallelGroup:
-    """This rank's place in the data-parallel dimension of ``mesh`` (the default group when ``mesh`` is None)."""
+
+def mesh_ranks(mesh) -> MeshRanks:
+    """This rank's place in ``mesh`` (every rank is data parallel when ``mesh`` is None)."""
     if mesh is None:
         if dist.is_available() and dist.is_initialized():
-            return DataParallelGroup(dist.get_world_size(), dist.get_rank(), None)
-        return DataParallelGroup(1, 0, None)
+            return MeshRanks(dist.get_world_size(), dist.get_rank(), None)
+        return MeshRanks(1, 0, None)
     names = mesh.mesh_dim_names or ()
     if DATA_PARALLEL not in names or not set(names) <= {DATA_PARALLEL, TENSOR_PARALLEL}:
         raise ValueError(f"mesh= needs dimensions named ('dp',) or ('dp', 'tp'), got {names or 'unnamed ones'}: "
                          "build it with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
     dp = mesh[DATA_PARALLEL]
-    tp_size = mesh[TENSOR_PARALLEL].size() if TENSOR_PARALLEL in names else 1
-    return DataParallelGroup(dp.size(), dp.get_local_rank(), dp.get_group(), tp_size)
+    if TENSOR_PARALLEL not in names:
+        return MeshRanks(dp.size(), dp.get_local_rank(), dp.get_group())
+    tp = mesh[TENSOR_PARALLEL]
+    return MeshRanks(dp.size(), dp.get_local_rank(), dp.get_group(), tp.size(), tp.get_local_rank(), tp.get_group())
 
 
 @dataclass
@@ -81,6 +90,10 @@ class DTensorSpecs:
         if slot.role in (Role.OPT_STATE, Role.NEW_STATE):
             return self.states.get((slot.optimizer, slot.fqn, slot.key))
         return None
+
+    def split(self) -> frozenset[str]:
+        """The parameters whose local tensors differ across the tp group (not replicated over it)."""
+        return frozenset(fqn for fqn, spec in self.params.items() if not all(p.is_replicate() for p in spec.placements))
 
     def __bool__(self) -> bool:
         return bool(self.params)

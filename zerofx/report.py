@@ -33,6 +33,13 @@ def report(step, *, print_output: bool = True) -> str:
     if stats.recomputed_regions:
         text += (f"\nactivation checkpointing: {stats.recomputed_regions} regions recomputed in backward, "
                  f"{stats.recomputed_flops:,} FLOPs, {stats.checkpoint_bytes:,} bytes of saved inputs")
+    if stats.tp_comm_volume:
+        text += f"\ntensor parallelism: {stats.tp_comm_volume:,.0f} elements sent in the tp collectives"
+        if stats.activation_comm_volume:
+            text += (f"; P_a's all-gathers of partitioned checkpoints {stats.activation_comm_volume:,.0f} "
+                     f"({stats.activation_comm_volume / stats.tp_comm_volume:.0%} of them)")
+    if step.config.partition_activations and step._dp.tp_size == 1:
+        text += "\npartition_activations (P_a) needs a mesh with a 'tp' dimension larger than 1: nothing was split"
     if stats.other_collectives():
         text += f"\n+ {len(stats.other_collectives())} small collectives outside the formula (rank check, buffers)"
     if print_output:

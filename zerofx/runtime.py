@@ -106,12 +106,15 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
 
 
 def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: ShardedState | None,
-            probe: StepProbe | None = None, specs: DTensorSpecs | None = None):
+            probe: StepProbe | None = None, specs: DTensorSpecs | None = None, tp_rank: int = 0):
     """Run the graph on this rank's state and batch; write back what eager would leave behind; return the user's
     output. With a ``probe`` the graph runs node by node and the probe measures its memory. What eager leaves as a
-    DTensor (``specs``) is wrapped back into one."""
-    inputs = input_values(binding, args, compiled.input_slots, for_trace=False,
-                          override=state.lookup if state else None)
+    DTensor (``specs``) is wrapped back into one; ``tp_rank`` is this rank's place in its tensor-parallel group."""
+
+    def lookup(slot: Slot):
+        return tp_rank if slot.role == Role.TP_RANK else state.lookup(slot) if state else None
+
+    inputs = input_values(binding, args, compiled.input_slots, for_trace=False, override=lookup)
     try:
         with torch.no_grad():
             outputs = probe.run_step(inputs, roots=inputs) if probe else compiled.gm(*inputs)

@@ -17,6 +17,10 @@ from zerofx.collectives import CollectiveRecord
 from zerofx.memory import storage_bytes
 from zerofx.step_graph import StepGraph
 
+_c10d = torch.ops._c10d_functional
+_TP_COLLECTIVES = (_c10d.all_reduce.default, _c10d.all_gather_into_tensor.default,
+                   _c10d.reduce_scatter_tensor.default)
+
 
 @dataclass
 class StepStats:
@@ -39,6 +43,10 @@ class StepStats:
     checkpoint_bytes: int = 0
     resident_checkpoint_bytes: int | None = None  # the most checkpoint bytes resident at once (track_memory)
     offloaded_bytes: int | None = None  # the most checkpoint bytes waiting in host memory at once (track_memory)
+    # tensor parallelism: elements this rank sends per step in the tp collectives the model's DTensors issue (from the
+    # graph), and in P_a's all-gathers of partitioned checkpoints (from the records)
+    tp_comm_volume: float = 0.0
+    activation_comm_volume: float = 0.0
 
     @property
     def comm_volume_psi(self) -> float:
@@ -105,7 +113,22 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
                      probe.activation_bytes if probe else None, len(recomputed),
                      sum(r.flops for r in recomputed), sum(r.checkpoint_bytes for r in recomputed),
                      probe.high_water.get("checkpoints", 0) if probe else None,
-                     probe.high_water.get("offloaded", 0) if probe else None)
+                     probe.high_water.get("offloaded", 0) if probe else None,
+                     _tp_volume(compiled.gm.graph, compiled.ctx),
+                     ring_volume([r for r in records if r.purpose == "activations"]))
+
+
+def _tp_volume(graph, ctx) -> float:
+    """Ring volume of the functional collectives over the tp group in ``graph`` (what DTensor issued)."""
+    if ctx.tp_size == 1:
+        return 0.0
+    share = (ctx.tp_size - 1) / ctx.tp_size
+    total = 0.0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _TP_COLLECTIVES and node.args[-1] == ctx.tp_group_name:
+            numel = node.meta["val"].numel()
+            total += numel * share * (2 if node.target is _c10d.all_reduce.default else 1)
+    return total
 
 
 def _comm_vs_formula(ctx, owned, formula: formulas.Formula, micro: int) -> list[tuple[str, float]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 TAG = "zerofx"
@@ -33,6 +34,7 @@ class Role(str, enum.Enum):
     LOSS_SCALE = "loss_scale"  # float16 mixed precision: the dynamic loss scale (updated in place)
     GROWTH_TRACKER = "growth_tracker"  # steps since the scale last changed (updated in place)
     RANK = "rank"  # this rank's index (stages 1-3): the graph is the same on every rank, the rank is data
+    TP_RANK = "tp_rank"  # this rank's index in its tensor-parallel group (partitioned activation checkpoints)
     # values inside the graph
     GRAD = "grad"  # a parameter's gradient as backward leaves it (per micro-batch)
     OPTIMIZER_GRAD = "optimizer_grad"  # the gradient the optimizer reads (after clipping etc.)
@@ -94,7 +96,10 @@ def is_mutating(node: fx.Node) -> bool:
 
 
 def aliases_first_arg(node: fx.Node) -> bool:
-    """True for an op whose output aliases its first argument: views and in-place ops."""
+    """True for an op whose output aliases its first argument: views, in-place ops, and the functional collectives'
+    ``wait_tensor``, which returns the collective's output buffer it was given (its schema does not say so)."""
+    if node.target is torch.ops._c10d_functional.wait_tensor.default:
+        return True
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None or not schema.arguments or not node.args:
         return False

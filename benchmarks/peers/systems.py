@@ -96,13 +96,21 @@ def deepspeed_system(cfg: GPTConfig, stage: int, bf16: bool, batch_size: int, bu
         "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told; the other systems do not clip
         "steps_per_print": 2**31 - 1,
     }
+    own_linear = torch.nn.functional.linear
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, WEIGHT_DECAY),
                                            config=config, dist_init_required=False)
+    # ZeRO-3 replaces torch.nn.functional.linear for the whole process ("This will persist unless manually
+    # reset"): it changes every other system's numerics and memory. Its linear is put back only for its own steps.
+    ds_linear, torch.nn.functional.linear = torch.nn.functional.linear, own_linear
 
     def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+        torch.nn.functional.linear = ds_linear
+        try:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        finally:
+            torch.nn.functional.linear = own_linear
         return loss
 
     name = f"DeepSpeed-{stage}" + ("" if bucket_elements is not None else " defaults")
