@@ -59,6 +59,9 @@ def plan(blocks, alignment: int = 64, time_budget_s: float = 0.0,
     (problems of up to `search.MAX_BLOCKS` blocks); a search that completes is deterministic too and proves the
     result optimal, one cut short by the clock keeps the best arena found so far.
     """
+    unknown = [h for h in heuristics if h not in HEURISTICS]
+    if unknown or not heuristics:
+        raise ValueError(f"heuristics must be among {HEURISTICS}, not {list(heuristics)}")
     began = time.perf_counter()
     problem = Problem(_as_array(blocks), alignment)
     best = None
@@ -69,7 +72,7 @@ def plan(blocks, alignment: int = 64, time_budget_s: float = 0.0,
             best = (offsets, arena, name)
         if arena == problem.lower_bound:
             break
-    offsets, arena, name = best if best else (np.zeros(problem.n, np.int64), 0, "none")
+    offsets, arena, name = best
     optimal = arena == problem.lower_bound
     if time_budget_s > 0 and not optimal:
         from zerofx.memory.search import search  # the search needs the problem, which this module defines
