@@ -1,9 +1,9 @@
 """Offsets for buffers of known lifetimes in one arena, so that buffers alive at the same time never share a byte.
 
 This is static memory allocation (the offline "dynamic storage allocation" problem): NP-hard, but greedy placement
-in a good order lands close to the bound that no plan can beat, the most bytes alive at once. Each heuristic is an
+in a good order usually lands close to the bound that no plan can beat, the most bytes alive at once. Each heuristic is an
 order (largest first, longest-lived first, ...) and a placement rule: a block goes to the lowest gap among the
-blocks already placed that overlap it in time ("first-fit"), or to the tightest such gap ("best-fit"). Every
+blocks already placed that overlap it in time ("first-fit"), or to the tightest such gap ("best-fit"). Each
 heuristic runs and the smallest arena wins; the run stops as soon as one reaches the bound. Given a time budget, a
 branch-and-bound search then looks for a smaller arena (`zerofx.memory.search`).
 
@@ -47,8 +47,10 @@ class Plan:
 
 ORDERS = ("size", "contention", "area", "duration", "degree", "start")
 HEURISTICS = tuple(f"{order}/{rule}" for order in ORDERS for rule in ("first-fit", "best-fit"))
-DEFAULT_HEURISTICS = ("size/first-fit", "contention/first-fit", "area/first-fit", "size/best-fit",
-                      "contention/best-fit", "duration/first-fit")
+# the ones that won on MiniMalloc's challenging instances and on random problems; each costs about 0.12 s per
+# 10,000 blocks
+DEFAULT_HEURISTICS = ("size/first-fit", "start/first-fit", "start/best-fit", "degree/first-fit",
+                      "contention/first-fit")
 
 
 def plan(blocks, alignment: int = 64, time_budget_s: float = 0.0,
