@@ -1,8 +1,8 @@
 """Offsets for buffers of known lifetimes in one arena, so that buffers alive at the same time never share a byte.
 
 This is static memory allocation (the offline "dynamic storage allocation" problem): NP-hard, but greedy placement
-in a good order usually lands close to the bound that no plan can beat, the most bytes alive at once. Each heuristic is an
-order (largest first, longest-lived first, ...) and a placement rule: a block goes to the lowest gap among the
+in a good order usually lands close to the bound that no plan can beat, the most bytes alive at once. A heuristic
+is an order (largest first, earliest first, ...) and a placement rule: a block goes to the lowest gap among the
 blocks already placed that overlap it in time ("first-fit"), or to the tightest such gap ("best-fit"). Each
 heuristic runs and the smallest arena wins; the run stops as soon as one reaches the bound. Given a time budget, a
 branch-and-bound search then looks for a smaller arena (`zerofx.memory.search`).
