@@ -1,0 +1,125 @@
+"""`zerofx.memory.plan`: plans are valid for any lifetimes, deterministic, optimal where the optimum is known, and
+the command line solves a file the planner wrote."""
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zerofx.memory import HEURISTICS, Block, plan, read_csv, write_csv
+
+DATA = Path(__file__).parent / "data"
+
+lifetimes = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40), st.integers(0, 12))
+                     .map(lambda t: (t[0], t[1], t[1] + t[2])), max_size=40)
+
+
+def aligned(size, alignment):
+    return -(-size // alignment) * alignment
+
+
+def most_alive(blocks, alignment=1):
+    times = {t for _, start, _ in blocks for t in (start,)}
+    return max((sum(aligned(s, alignment) for s, a, b in blocks if a <= t < b) for t in times), default=0)
+
+
+def assert_valid(blocks, result, alignment):
+    offsets = result.offsets
+    assert len(offsets) == len(blocks)
+    assert all(o >= 0 and o % alignment == 0 for o in offsets)
+    held = [(o, o + aligned(s, alignment), a, b) for o, (s, a, b) in zip(offsets, blocks) if s and b > a]
+    for (lo1, hi1, a1, b1), (lo2, hi2, a2, b2) in itertools.combinations(held, 2):
+        assert not (a1 < b2 and a2 < b1 and lo1 < hi2 and lo2 < hi1), "blocks alive together share bytes"
+    assert result.arena_bytes == max((hi for _, hi, _, _ in held), default=0)
+    assert result.lower_bound_bytes == most_alive(blocks, alignment)
+    assert result.arena_bytes >= result.lower_bound_bytes
+
+
+def best_over_all_orders(blocks):
+    """The optimum: some order of lowest-gap placements reaches it (exhaustive, for a handful of blocks)."""
+    best = None
+    for order in itertools.permutations(range(len(blocks))):
+        offsets = {}
+        for i in order:
+            size, start, end = blocks[i]
+            taken = sorted((offsets[j], offsets[j] + blocks[j][0]) for j in offsets
+                           if blocks[j][1] < end and start < blocks[j][2])
+            at = 0
+            for lo, hi in taken:
+                if lo >= at + size:
+                    break
+                at = max(at, hi)
+            offsets[i] = at
+        height = max((offsets[i] + blocks[i][0] for i in offsets), default=0)
+        best = height if best is None else min(best, height)
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(lifetimes, st.sampled_from([1, 8, 64]), st.sampled_from(HEURISTICS))
+def test_plan_is_valid_and_deterministic(blocks, alignment, heuristic):
+    result = plan(blocks, alignment=alignment, heuristics=[heuristic])
+    assert_valid(blocks, result, alignment)
+    assert plan(blocks, alignment=alignment, heuristics=[heuristic]) == result
+    assert plan(np.array(blocks, dtype=np.int64).reshape(-1, 3), alignment, heuristics=[heuristic]) == result
+    assert plan([Block(*b, id=str(i)) for i, b in enumerate(blocks)], alignment, heuristics=[heuristic]) == result
+
+
+@settings(max_examples=40, deadline=None)
+@given(lifetimes.filter(lambda b: len(b) <= 6))
+def test_search_reaches_the_optimum(blocks):
+    result = plan(blocks, alignment=1, time_budget_s=5)
+    assert_valid(blocks, result, 1)
+    assert result.optimal
+    assert result.arena_bytes == best_over_all_orders([b for b in blocks if b[0] and b[2] > b[1]])
+
+
+def test_optimum_at_the_lower_bound():
+    blocks, _ = read_csv(DATA / "plan_at_bound.csv")
+    greedy = plan(blocks, alignment=1)
+    searched = plan(blocks, alignment=1, time_budget_s=5)
+    assert (greedy.arena_bytes, greedy.lower_bound_bytes, greedy.optimal) == (8, 7, False)
+    assert (searched.arena_bytes, searched.heuristic, searched.optimal) == (7, "search", True)
+
+
+def test_optimum_above_the_lower_bound():
+    blocks, _ = read_csv(DATA / "plan_above_bound.csv")
+    rows = [(b.size, b.start, b.end) for b in blocks]
+    result = plan(blocks, alignment=1, time_budget_s=5)
+    assert (result.lower_bound_bytes, result.arena_bytes, result.optimal) == (4, 5, True)
+    assert best_over_all_orders(rows) == 5
+
+
+def test_invalid_blocks_are_refused():
+    with pytest.raises(ValueError):
+        plan([(-1, 0, 1)])
+    with pytest.raises(ValueError):
+        plan([(8, 3, 2)])
+    with pytest.raises(ValueError):
+        plan([(8, 0, 1)], alignment=0)
+    with pytest.raises(ValueError):
+        plan([(8, 0, 1)], heuristics=["largest/first-fit"])
+
+
+def test_command_line_solves_a_file_the_planner_wrote(tmp_path):
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, 500, 300)
+    rows = np.stack([rng.integers(1, 5000, 300), starts, starts + rng.integers(1, 60, 300)], axis=1)
+    blocks = [Block(int(s), int(a), int(b), f"t{i}") for i, (s, a, b) in enumerate(rows)]
+    expected = plan(blocks, alignment=1)
+    problem, solution = tmp_path / "problem.csv", tmp_path / "solution.csv"
+    write_csv(problem, blocks, expected.offsets)  # the offset column is ignored on input
+    out = subprocess.run([sys.executable, "-m", "zerofx.memory", "plan", str(problem), "--out", str(solution)],
+                         capture_output=True, text=True, check=True).stdout
+    printed = dict(line.split(": ", 1) for line in out.strip().splitlines())
+    assert int(printed["arena_bytes"]) == expected.arena_bytes
+    assert int(printed["lower_bound_bytes"]) == expected.lower_bound_bytes
+    assert float(printed["ratio"]) == pytest.approx(expected.ratio, abs=1e-4)
+    solved, offsets = read_csv(solution)
+    assert solved == blocks and offsets == list(expected.offsets)
+    assert_valid([(b.size, b.start, b.end) for b in solved], expected, 1)
