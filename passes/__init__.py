@@ -5,6 +5,7 @@ guarantees. Contents, in pipeline order:
 
 - ``remove_profiler_ops``: drop torch.optim's record_function markers.
 - ``checkpoint_activations``: checkpointed regions keep their inputs; backward recomputes the rest (ZeRO-R).
+- ``partition_checkpoints``: a saved input the tensor-parallel ranks hold alike is kept as a 1/tp slice (P_a).
 - ``offload_checkpoints``: the checkpointed regions' saved inputs wait in host memory (P_a+cpu).
 - ``recompute_pointwise``: backward recomputes cheap pointwise outputs from inputs it keeps anyway.
 - ``skip_nonfinite_update``: float16 loss scaling, ranks agree on overflow and such a step changes nothing.
@@ -22,7 +23,7 @@ guarantees. Contents, in pipeline order:
 - ``propagate_shard_shapes``: stages 1-3, shapes on shards; refuses an update that is not elementwise.
 
 Shared builders: ``bucketing`` (bucket plans of constant size), ``flat_collectives`` (pack, collective, unpack),
-``graph_edit`` (adding nodes with metadata).
+``graph_edit`` (adding nodes with metadata, the checkpoints a recompute reads).
 
 ``pipeline(stage)`` lists the passes a stage runs and prints itself.
 """
@@ -38,6 +39,7 @@ from zerofx.passes.gather_params import gather_params
 from zerofx.passes.global_grad_norm import global_grad_norm
 from zerofx.passes.propagate_shard_shapes import propagate_shard_shapes
 from zerofx.passes.offload_checkpoints import offload_checkpoints
+from zerofx.passes.partition_checkpoints import partition_checkpoints
 from zerofx.passes.recompute_pointwise import recompute_pointwise
 from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
@@ -46,5 +48,5 @@ from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 
 __all__ = ["PassContext", "Pipeline", "pipeline", "allgather_params", "broadcast_buffers", "bucket_allreduce",
            "cast_params_at_gather", "checkpoint_activations", "gather_params", "global_grad_norm",
-           "offload_checkpoints", "propagate_shard_shapes", "recompute_pointwise", "reduce_scatter_grads", "remove_profiler_ops",
-           "shard_optimizer_state", "skip_nonfinite_update"]
+           "offload_checkpoints", "partition_checkpoints", "propagate_shard_shapes", "recompute_pointwise",
+           "reduce_scatter_grads", "remove_profiler_ops", "shard_optimizer_state", "skip_nonfinite_update"]

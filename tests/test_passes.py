@@ -25,7 +25,8 @@ def _ctx(bucket_bytes=16 * 1024, world_size=2):
 
 def test_pipeline_lists_its_passes():
     text = str(pipeline(0))
-    names = ["remove_profiler_ops", "checkpoint_activations", "offload_checkpoints", "recompute_pointwise",
+    names = ["remove_profiler_ops", "checkpoint_activations", "partition_checkpoints", "offload_checkpoints",
+             "recompute_pointwise",
              "skip_nonfinite_update", "broadcast_buffers", "bucket_allreduce"]
     assert [p.__name__ for p in pipeline(0).passes] == names
     for name in names:
@@ -144,6 +145,36 @@ def test_checkpoint_activations_copies_each_block_into_backward_before_its_first
     between = [n for n in gm.graph.nodes if order[n] < first_reader and not n.meta.get("zerofx_recomputed")
                and tag(n).phase == Phase.BACKWARD and order[n] > min(order[c] for c in copies)]
     assert all(n.target.__module__ == "torch._ops.zerofx" or "rng_state" in str(n.target) for n in between), between
+
+
+@pytest.mark.parametrize("split", [(), ("wte.weight",)])
+def test_partition_checkpoints_keeps_a_tp_slice_of_each_replicated_block_input(split):
+    """A block input every tp rank holds alike is kept as a 1/tp slice and gathered over tp before its recompute;
+    one computed from a parameter split over tp (here, pretending the embedding is) differs across the tp ranks and
+    is kept whole."""
+    from zerofx.passes import checkpoint_activations, partition_checkpoints
+    from zerofx.passes.flat_collectives import CATEGORY
+    from zerofx.passes.graph_edit import RESTORES_CHECKPOINT
+
+    model, opt = gpt_and_adamw()
+    args = (model, opt, *token_batch(0, 0))
+    gm = capture(train_step, StepBinding.from_args(args), args, checkpoint="blocks").gm
+    ctx = PassContext(0, 1, None, 0, tp_size=2, tp_group_name="tp", tp_sharded=frozenset(split),
+                      partition_activations=True)
+    gm = partition_checkpoints(checkpoint_activations(gm, ctx), ctx)
+    gathers = [n for n in gm.graph.nodes if n.target is collectives.all_gather]
+    kept = [n for n in gm.graph.nodes if n.meta.get(CATEGORY) == "checkpoint"]
+    if split:
+        assert ctx.artifacts["partitioned_checkpoints"] == 0 and not gathers
+        return
+    block_input = 4 * 16 * 32  # batch × T × C elements
+    assert ctx.artifacts["partitioned_checkpoints"] == 2 == len(gathers)
+    assert sorted(n.meta["val"].numel() for n in kept) == [block_input // 2] * 2
+    for gather in gathers:
+        assert gather.meta[RESTORES_CHECKPOINT] and gather.args[1:] == ("tp", 2, "activations")
+        assert tag(gather).phase == Phase.BACKWARD and gather.args[0] in kept
+        assert tag(gather.args[0]).phase == Phase.FORWARD
+    assert [s for s in StepGraph(gm).input_slots() if s.role == Role.TP_RANK]
 
 
 class _WritesItsInput(torch.nn.Module):
