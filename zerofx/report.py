@@ -33,6 +33,10 @@ def report(step, *, print_output: bool = True) -> str:
     if stats.recomputed_regions:
         text += (f"\nactivation checkpointing: {stats.recomputed_regions} regions recomputed in backward, "
                  f"{stats.recomputed_flops:,} FLOPs, {stats.checkpoint_bytes:,} bytes of saved inputs")
+    text += (f"\nmemory plan (M_D): the step's own buffers need at least {stats.lower_bound_bytes:,} bytes at once; "
+             f"planned in one arena of {stats.arena_bytes:,} (fragmentation {stats.fragmentation:.2%}); largest "
+             "alive at the peak: " + ", ".join(f"{name} ({category}, {nbytes:,})"
+                                               for name, category, nbytes in stats.largest_at_peak[:3]))
     if stats.tp_comm_volume:
         text += f"\ntensor parallelism: {stats.tp_comm_volume:,.0f} elements sent in the tp collectives"
         if stats.activation_comm_volume:

@@ -16,6 +16,7 @@ from zerofx.binding import StepBinding, incoming_grads, input_values, present_gr
 from zerofx.capture import CapturedStep, capture
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
+from zerofx.memory.lifetimes import StepMemoryPlan, plan_step
 from zerofx.mesh import DTensorSpecs, local, wrap
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext, pipeline
@@ -35,6 +36,13 @@ class CompiledGraph:
     reads_incoming_grads: bool = False  # the step accumulates into a .grad it finds set (no zero_grad before)
     snapshots: dict[str, fx.GraphModule] = field(default_factory=dict)  # "capture" and each pass's name
     verified: bool = False
+    _memory_plan: StepMemoryPlan | None = None
+
+    def memory_plan(self) -> StepMemoryPlan:
+        """The final graph's buffers, their lifetimes and their planned offsets (computed once)."""
+        if self._memory_plan is None:
+            self._memory_plan = plan_step(self.gm.graph)
+        return self._memory_plan
 
     @property
     def fingerprint(self) -> int:

@@ -47,6 +47,15 @@ class StepStats:
     # graph), and in P_a's all-gathers of partitioned checkpoints (from the records)
     tp_comm_volume: float = 0.0
     activation_comm_volume: float = 0.0
+    # M_D, from the final graph's lifetimes: the step's own buffers (not its inputs) in one planned arena
+    lower_bound_bytes: int = 0  # the most bytes they hold at once: no placement needs less
+    arena_bytes: int = 0  # the planned arena
+    largest_at_peak: list[tuple[str, str, int]] = field(default_factory=list)  # (buffer, class, bytes), inputs too
+
+    @property
+    def fragmentation(self) -> float:
+        """arena / lower bound - 1: the bytes a plan loses to gaps, as a fraction of what must be held."""
+        return self.arena_bytes / self.lower_bound_bytes - 1 if self.lower_bound_bytes else 0.0
 
     @property
     def comm_volume_psi(self) -> float:
@@ -106,6 +115,7 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
                                reshard_after_forward=config.reshard_after_forward,
                                micro_batches=micro, casts_masters=mixed is not None)
     recomputed = compiled.ctx.artifacts.get("recomputed", {}).values()
+    memory = compiled.memory_plan()
     return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),
                      ring_volume([r for r in records if r.purpose == "data"]), state,
                      probe.peak_bytes if probe else None, formula, traces,
@@ -115,7 +125,9 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
                      probe.high_water.get("checkpoints", 0) if probe else None,
                      probe.high_water.get("offloaded", 0) if probe else None,
                      _tp_volume(compiled.gm.graph, compiled.ctx),
-                     ring_volume([r for r in records if r.purpose == "activations"]))
+                     ring_volume([r for r in records if r.purpose == "activations"]),
+                     memory.plan.lower_bound_bytes, memory.plan.arena_bytes,
+                     [(s.name, s.category, s.nbytes) for s in memory.largest_at_peak()])
 
 
 def _tp_volume(graph, ctx) -> float:

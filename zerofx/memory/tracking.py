@@ -89,6 +89,9 @@ class StepProbe(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
+        for node in gm.graph.nodes:  # an unread value dies right away, as in the graph's own code, not at the end
+            if not node.users and node.op == "call_function":
+                self.user_to_last_uses.setdefault(node, []).append(node)
         backward = [n for n in gm.graph.nodes if n.op == "call_function" and tag(n) and tag(n).phase == Phase.BACKWARD]
         self._end_of_backward = backward[-1] if backward else None
         self._category: dict[int, tuple[StorageWeakRef, str]] = {}  # live storages; a freed one's key is reused
@@ -108,7 +111,7 @@ class StepProbe(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         result = super().run_node(n)
-        category = _category_of(n)
+        category = category_of(n)
         for value in pytree.tree_leaves(result):
             if isinstance(value, torch.Tensor):
                 ref = StorageWeakRef(value.untyped_storage())
@@ -142,7 +145,7 @@ _PASS_CATEGORY = {"gathered_param": "gathered_params", "comm_buffer": "comm_buff
                   "checkpoint": "checkpoints"}
 
 
-def _category_of(n: fx.Node) -> str:
+def category_of(n: fx.Node) -> str:
     t = tag(n)
     if n.op == "placeholder" and t is not None and t.slots:
         return _INPUT_CATEGORY.get(t.slots[0].role, "activations")

@@ -1,0 +1,42 @@
+"""Lifetimes of a step graph's buffers (`zerofx.memory.lifetimes`) and the planned arena `stats()` reports."""
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import cases_memory_plan as cases
+from zerofx.memory.lifetimes import lifetimes, peak_live
+
+
+def test_a_buffer_lives_until_the_last_reader_of_any_view_or_in_place_result():
+    def f(x):
+        y = x * 2  # read through a view (v), then updated in place (w): lives until z
+        v = y.view(-1)
+        w = y.add_(1)
+        t = x + 3  # read once
+        z = v.sum() + w.sum() + t.sum()
+        return z
+
+    gm = make_fx(f, tracing_mode="fake")(torch.ones(4, 4))
+    nodes = list(gm.graph.nodes)
+    position = {n.name: i for i, n in enumerate(nodes)}
+    spans = {s.name: s for s in lifetimes(gm.graph)}
+    users = {n.name: [position[u.name] for u in n.users] for n in nodes}
+    mul, add = spans["mul"], spans["add"]
+    assert mul.start == position["mul"] and mul.end == max(users["view"] + users["add_"]) + 1
+    assert add.end == max(users["add"]) + 1 and add.nbytes == 64
+    assert spans["x_1"].is_input and (spans["x_1"].start, spans["x_1"].end) == (0, len(nodes))
+    z = next(n for n in nodes if n.op == "output").args[0]
+    assert spans[z.name].end == len(nodes)  # returned: alive to the end
+    assert "view" not in spans and "add_" not in spans  # aliases are not buffers of their own
+    assert peak_live(list(spans.values()))[0] == 3 * 64 + 2 * 4  # x, y, t and the first two sums
+
+
+def test_the_example_gpt_plans_without_fragmentation_and_its_lifetimes_predict_the_measured_peak(ranks2):
+    """Every stage, 2 ranks: the arena equals the lower bound (fragmentation ≤ 1%), and the peak the lifetimes
+    predict equals the peak `StepProbe` measures on live storages, byte for byte."""
+    for per_stage in ranks2.run(cases.plans_per_stage):
+        for stage, figures in per_stage.items():
+            assert figures["fragmentation"] <= 0.01, (stage, figures)
+            assert figures["arena"] >= figures["lower_bound"] > 0
+            assert figures["predicted_peak"] == figures["measured_peak"], (stage, figures)
+            assert figures["largest"] and all(nbytes > 0 for _, _, nbytes in figures["largest"])

@@ -1,0 +1,153 @@
+"""Lifetimes of every buffer a step graph allocates, in execution order: what memory planning works from.
+
+A buffer is the storage behind a node's output (or each tensor of a node that returns several). It is defined where
+its node runs and lives until the last node that reads it or anything aliasing it: a view, an in-place update's
+result, a collective's ``wait`` (so a collective's output lives until it is waited on and read, and a collective's
+input until its wait, which takes it as an argument for that reason). The step's inputs (parameters or their shards,
+optimizer state, the batch) exist before the step and after it; what the graph returns lives to the end. Each buffer
+has its bytes and its class, the categories the memory reports use (``zerofx.memory.tracking``).
+
+Lifetimes are half-open positions ``[start, end)`` over the graph's nodes, as `zerofx.memory.plan` takes them.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from zerofx import collectives
+from zerofx.memory.planner import HEURISTICS, Block, Plan, plan
+from zerofx.memory.tracking import category_of
+from zerofx.step_graph import aliases_first_arg
+
+_ALIASING_CALLS = (collectives.wait,)  # Python functions in the graph that return their first argument
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    name: str  # the defining node (with the output's index where it returns several)
+    nbytes: int
+    start: int
+    end: int  # exclusive
+    category: str  # params, optimizer_states, grads, gathered_params, checkpoints, activations, ...
+    device: torch.device
+    is_input: bool  # a graph input: it exists before the step and after it
+
+    def block(self) -> Block:
+        return Block(self.nbytes, self.start, self.end, self.name)
+
+
+def lifetimes(graph: fx.Graph) -> list[Lifetime]:
+    """The lifetime of every buffer ``graph`` reads or allocates, in order of definition."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    buffers = _Buffers()
+    last_use: dict[tuple[fx.Node, int | None], int] = {}
+    defined: list[tuple[fx.Node, int | None, torch.Tensor]] = []
+    for node in nodes:
+        used_until = len(nodes) - 1 if node.op == "output" else position[node]  # returned: alive to the end
+        for key in buffers.read_by(node):
+            last_use[key] = used_until
+        if node.op != "output" and not buffers.follow(node):
+            defined += buffers.define(node)
+    out = []
+    for node, index, val in defined:
+        placeholder = node.op == "placeholder"
+        start = 0 if placeholder else position[node]
+        end = len(nodes) if placeholder else max(last_use.get((node, index), start), start) + 1
+        name = node.name if index is None else f"{node.name}[{index}]"
+        out.append(Lifetime(name, val.untyped_storage().nbytes(), start, end, category_of(node), val.device,
+                            placeholder))
+    return out
+
+
+class _Buffers:
+    """Which buffer each node's value is: a buffer is (defining node, output index or None)."""
+
+    def __init__(self):
+        self.single: dict[fx.Node, tuple[fx.Node, int | None]] = {}
+        self.several: dict[fx.Node, fx.Node] = {}  # a node whose value is the list a defining node returned
+
+    def define(self, node: fx.Node) -> list[tuple[fx.Node, int | None, torch.Tensor]]:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            self.single[node] = (node, None)
+            return [(node, None, val)]
+        if isinstance(val, (list, tuple)):
+            self.several[node] = node
+            return [(node, i, t) for i, t in enumerate(val) if isinstance(t, torch.Tensor)]
+        return []
+
+    def follow(self, node: fx.Node) -> bool:
+        """Record ``node`` as aliasing a buffer it reads (a view, an in-place result, a wait, an element of a list);
+        False if its value is new."""
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        first = node.args[0]
+        if node.target is operator.getitem and first in self.several:
+            self.single[node] = (self.several[first], node.args[1])
+            return True
+        if not (aliases_first_arg(node) or node.target in _ALIASING_CALLS or node.target is operator.getitem):
+            return False
+        if first in self.several:
+            self.several[node] = self.several[first]
+        elif first in self.single:
+            self.single[node] = self.single[first]
+        else:
+            return False
+        return True
+
+    def read_by(self, node: fx.Node) -> set[tuple[fx.Node, int | None]]:
+        keys = set()
+        for arg in node.all_input_nodes:
+            if arg in self.single:
+                keys.add(self.single[arg])
+            elif arg in self.several:
+                defining = self.several[arg]
+                keys.update((defining, i) for i in range(len(defining.meta["val"])))
+        return keys
+
+
+def peak_live(spans: list[Lifetime]) -> tuple[int, int]:
+    """(the most bytes alive at once, the first position where they are)."""
+    events: dict[int, int] = {}
+    for s in spans:
+        events[s.start] = events.get(s.start, 0) + s.nbytes
+        events[s.end] = events.get(s.end, 0) - s.nbytes
+    live = best = at = 0
+    for t in sorted(events):
+        live += events[t]
+        if live > best:
+            best, at = live, t
+    return best, at
+
+
+@dataclass(frozen=True)
+class StepMemoryPlan:
+    """The step's own buffers (not its inputs, which exist before and after it) placed in one arena."""
+    spans: list[Lifetime]  # every buffer, inputs included
+    planned: list[Lifetime]  # the step's own buffers, on the step's device
+    plan: Plan
+
+    @property
+    def fragmentation(self) -> float:
+        return self.plan.ratio - 1.0
+
+    def largest_at_peak(self, most: int = 5) -> list[Lifetime]:
+        """The largest buffers alive when the most bytes are (inputs included)."""
+        _, at = peak_live(self.spans)
+        alive = [s for s in self.spans if s.start <= at < s.end]
+        return sorted(alive, key=lambda s: -s.nbytes)[:most]
+
+
+def plan_step(graph: fx.Graph, alignment: int = 64) -> StepMemoryPlan:
+    spans = lifetimes(graph)
+    devices = [s.device for s in spans if s.is_input] or [s.device for s in spans]
+    device = max(set(devices), key=devices.count)  # the step's; host copies (offloaded checkpoints) stay apart
+    planned = [s for s in spans if not s.is_input and s.device == device]
+    # a step has hundreds of buffers, not thousands: every heuristic is affordable
+    return StepMemoryPlan(spans, planned, plan([s.block() for s in planned], alignment=alignment,
+                                               heuristics=HEURISTICS))
