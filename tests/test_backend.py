@@ -1,0 +1,29 @@
+"""zerofx as a torch.compile backend: an eager loop around a compiled model matches DDP, issues the whole-step
+path's collectives, survives graph breaks and shares checkpoints with the whole-step path."""
+
+import pytest
+
+import cases_backend as cases
+
+
+@pytest.mark.parametrize("stage", [0])
+def test_eager_loop_around_the_backend_matches_ddp(ranks2, stage):
+    assert ranks2.run(cases.against_ddp, stage=stage) == [True, True]
+
+
+@pytest.mark.parametrize("stage", [0])
+def test_backend_issues_the_whole_step_paths_collectives(ranks2, stage):
+    result = ranks2.run(cases.records_beside_whole_step, stage=stage, bucket_bytes=None)[0]
+    assert result["backend"] == result["whole_step"]
+    assert result["volumes"][0] == result["volumes"][1] > 0
+
+
+def test_graph_break_between_blocks_gives_ddps_losses_and_is_named(ranks2):
+    result = ranks2.run(cases.graph_break_against_ddp)[0]
+    assert result["graphs"] == ["region0.backward", "region0.forward", "region1.backward", "region1.forward"]
+    assert len(result["breaks"]) == 1 and "graph_break" in result["breaks"][0]
+
+
+def test_parameters_read_outside_every_compiled_region_are_refused_before_the_update(ranks2):
+    message = ranks2.run(cases.eager_parameters_refused)[0]
+    assert "'wte.weight'" in message and "'ln_f.weight'" in message and "blocks" not in message.split("]")[0]
