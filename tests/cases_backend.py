@@ -113,3 +113,40 @@ def eager_parameters_refused(rank, world_size):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def checkpoint_between_paths(rank, world_size, directory, whole_step_stage, steps=4):
+    """Each way: ``steps`` steps on one path, ``zerofx.checkpoint.save``, a fresh model (another seed) loaded on
+    the other path, ``steps`` more; every loss and the final state against DDP training straight through."""
+    ref_model, ref_opt = gpt_and_adamw()
+    ddp = DDP(ref_model)
+    ref_losses = [train_step(ddp, ref_opt, *token_batch(i, rank)).item() for i in range(2 * steps)]
+
+    def backend_path(seed):
+        return _compiled(*gpt_and_adamw(seed=seed), stage=0)
+
+    def whole_step_path(seed):
+        model, opt = gpt_and_adamw(seed=seed)
+        step = zerofx.compile(train_step, stage=whole_step_stage).bind(model, opt, *token_batch(0, rank))
+        return step, (model, opt)
+
+    losses = {}
+    for first, then in (("backend", "whole step"), ("whole step", "backend")):
+        run = []
+        for phase, path in enumerate((first, then)):
+            if path == "backend":
+                model, opt = backend_path(seed=phase)
+                target, train = zerofx.prepared(model), lambda x, y: train_step(model, opt, x, y)
+            else:
+                target, (model, opt) = whole_step_path(seed=phase)
+                train = lambda x, y, step=target, model=model, opt=opt: step(model, opt, x, y)  # noqa: E731
+            if phase:
+                zerofx.checkpoint.load(target, f"{directory}/{first}")
+            for i in range(phase * steps, (phase + 1) * steps):
+                run.append(train(*token_batch(i, rank)).item())
+            if not phase:
+                zerofx.checkpoint.save(target, f"{directory}/{first}")
+        torch.testing.assert_close(run, ref_losses, rtol=1e-5, atol=0, msg=f"{first}, then {then}")
+        assert_matches_ddp(target, ref_model, ref_opt)
+        losses[f"{first}, then {then}"] = run
+    return losses

@@ -27,3 +27,11 @@ def test_graph_break_between_blocks_gives_ddps_losses_and_is_named(ranks2):
 def test_parameters_read_outside_every_compiled_region_are_refused_before_the_update(ranks2):
     message = ranks2.run(cases.eager_parameters_refused)[0]
     assert "'wte.weight'" in message and "'ln_f.weight'" in message and "blocks" not in message.split("]")[0]
+
+
+@pytest.mark.parametrize("whole_step_stage", [3])
+def test_checkpoints_move_between_the_backend_and_the_whole_step_path(ranks2, tmp_path, whole_step_stage):
+    """The backend at stage 0 and the whole step at stage 3: the checkpoint layout depends on neither."""
+    losses = ranks2.run(cases.checkpoint_between_paths, directory=str(tmp_path),
+                        whole_step_stage=whole_step_stage)[0]
+    assert set(losses) == {"backend, then whole step", "whole step, then backend"}

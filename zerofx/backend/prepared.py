@@ -15,7 +15,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from zerofx import runtime
+from zerofx import optim_support, runtime
 from zerofx.api import Config
 from zerofx.binding import StepBinding
 from zerofx.collectives import CollectiveRecord
@@ -117,7 +117,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
             mixed_precision: MixedPrecision | None = None, mesh=None):
     """Make ``model`` and ``optimizer`` ready for ``torch.compile(model, backend=zerofx.backend(stage=...))`` and
     return the two objects to keep using: every rank starts from the first rank's parameters and buffers, as DDP
-    does. Every rank calls it, once, before the model first runs."""
+    does, and the optimizer's state exists before its first step (as torch.optim would create it), so a checkpoint
+    can be loaded into it (``zerofx.checkpoint.load(zerofx.prepared(model), ...)``). Every rank calls it, once,
+    before the model first runs."""
     if mixed_precision is not None:
         raise NotImplementedError("zerofx.prepare: mixed_precision is not supported by the backend path yet; use "
                                   "zerofx.compile for mixed precision")
@@ -130,6 +132,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
     if model in _PREPARED:
         raise ValueError("zerofx.prepare: this model was prepared already")
     prepared = Prepared(model, optimizer, Config(stage=stage, mixed_precision=mixed_precision, mesh=mesh))
+    optim_support.init_lazy_state(optimizer)
     if prepared.ranks.size > 1:
         runtime.sync_module_states(prepared._binding, prepared.ranks.group)
     _PREPARED[model] = prepared
