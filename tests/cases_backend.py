@@ -48,9 +48,10 @@ def _records(records):
     return [(r.kind, r.numel, r.dtype, r.purpose) for r in records if r.purpose != "control"]
 
 
-def records_beside_whole_step(rank, world_size, stage, bucket_bytes):
-    """The collectives of one step through the backend and through ``zerofx.compile`` (rank agreement aside)."""
-    model, opt = _compiled(*gpt_and_adamw(), stage, bucket_bytes=bucket_bytes)
+def records_beside_whole_step(rank, world_size, stage, bucket_bytes, dump_dir):
+    """The collectives of one step through the backend and through ``zerofx.compile`` (rank agreement aside); the
+    backend's graphs dumped to ``dump_dir``."""
+    model, opt = _compiled(*gpt_and_adamw(), stage, bucket_bytes=bucket_bytes, dump_dir=dump_dir)
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes)
     whole_model, whole_opt = gpt_and_adamw()
     for i in range(2):
@@ -150,3 +151,20 @@ def checkpoint_between_paths(rank, world_size, directory, whole_step_stage, step
         assert_matches_ddp(target, ref_model, ref_opt)
         losses[f"{first}, then {then}"] = run
     return losses
+
+
+def hf_llama_against_ddp(rank, world_size, stage, steps=4):
+    """A Hugging Face ``LlamaForCausalLM`` from a config, in the HF Trainer's loop style, beside DDP."""
+    from cases_hf import _batch, _hf_step, _model
+
+    ref_model = _model("llama")
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.01)
+    ddp = DDP(ref_model)
+    model = _model("llama")
+    model, opt = _compiled(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01), stage)
+    for i in range(steps):
+        batch = _batch(i, rank)
+        torch.testing.assert_close(_hf_step(model, opt, batch).item(), _hf_step(ddp, ref_opt, batch).item(),
+                                   rtol=1e-5, atol=0, msg=f"step {i}")
+    assert_matches_ddp(zerofx.prepared(model), ref_model, ref_opt, atol=1e-6)
+    return sorted(zerofx.prepared(model).graphs)

@@ -12,10 +12,13 @@ def test_eager_loop_around_the_backend_matches_ddp(ranks2, stage):
 
 
 @pytest.mark.parametrize("stage", [0])
-def test_backend_issues_the_whole_step_paths_collectives(ranks2, stage):
-    result = ranks2.run(cases.records_beside_whole_step, stage=stage, bucket_bytes=None)[0]
+def test_backend_issues_the_whole_step_paths_collectives_and_dumps_its_graphs(ranks2, stage, tmp_path):
+    result = ranks2.run(cases.records_beside_whole_step, stage=stage, bucket_bytes=None, dump_dir=str(tmp_path))[0]
     assert result["backend"] == result["whole_step"]
     assert result["volumes"][0] == result["volumes"][1] > 0
+    backward = tmp_path / "region0" / "backward"
+    assert (backward / "00_aot.py").exists() and (tmp_path / "region0" / "forward" / "00_aot.py").exists()
+    assert "collectives: 1 " in (backward / "08_bucket_allreduce.py").read_text()
 
 
 def test_graph_break_between_blocks_gives_ddps_losses_and_is_named(ranks2):
@@ -35,3 +38,8 @@ def test_checkpoints_move_between_the_backend_and_the_whole_step_path(ranks2, tm
     losses = ranks2.run(cases.checkpoint_between_paths, directory=str(tmp_path),
                         whole_step_stage=whole_step_stage)[0]
     assert set(losses) == {"backend, then whole step", "whole step, then backend"}
+
+
+@pytest.mark.parametrize("stage", [0])
+def test_hugging_face_llama_through_the_backend_matches_ddp(ranks2, stage):
+    assert ranks2.run(cases.hf_llama_against_ddp, stage=stage)[0] == ["region0.backward", "region0.forward"]
