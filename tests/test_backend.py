@@ -44,3 +44,15 @@ def test_checkpoints_move_between_the_backend_and_the_whole_step_path(ranks2, tm
 def test_hugging_face_llama_through_the_backend_matches_ddp(ranks2, stage):
     regions = ranks2.run(cases.hf_llama_against_ddp, stage=stage)[0]
     assert regions == ["region0.backward", "region0.forward", "region1.backward", "region1.forward"]
+
+
+def test_prepare_refuses_what_the_backend_does_not_run_yet():
+    model, opt = cases.gpt_and_adamw()
+    for options, named in (({"stage": 1}, "stage 1"), ({"mesh": object()}, "mesh="),
+                           ({"mixed_precision": object()}, "mixed_precision")):
+        with pytest.raises(NotImplementedError, match=named):
+            cases.zerofx.prepare(model, opt, **options)
+    with pytest.raises(ValueError, match="stage must be"):
+        cases.zerofx.backend(stage=4)
+    with pytest.raises(ValueError, match="not given to zerofx.prepare"):
+        cases.zerofx.prepared(model)

@@ -46,7 +46,6 @@ class Backend:
                              f"{owner.config.stage}; give both the same stage")
         slots = [owner.slot_of(x) for x in example_inputs]
         region = f"region{next(self._regions)}"
-
         params = [i for i, slot in enumerate(slots) if slot is not None and slot.role == Role.PARAM]
 
         def compile_forward(fw: fx.GraphModule, _inputs):

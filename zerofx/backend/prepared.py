@@ -40,6 +40,7 @@ class Prepared:
         self._specs = DTensorSpecs()
         self._slots = {id(p): Slot(Role.PARAM, fqn) for fqn, p in self._binding.params.items()}
         self._slots.update({id(b): Slot(Role.BUFFER, fqn) for fqn, b in self._binding.buffers.items()})
+        self._by_storage = {p.untyped_storage().data_ptr(): fqn for fqn, p in self._binding.params.items()}
         self.graphs: dict[str, object] = {}  # "region0.forward", "region0.backward", ...: the graphs as run
         self._pending: list[CollectiveRecord] = []  # issued since the last optimizer.step()
         self.last_records: list[CollectiveRecord] = []
@@ -58,10 +59,7 @@ class Prepared:
     def fqn_of(self, param) -> str | None:
         """The name of a parameter as a compiled graph receives it (itself, or a tensor sharing its storage)."""
         slot = self._slots.get(id(param))
-        if slot is None:
-            by_storage = {p.untyped_storage().data_ptr(): fqn for fqn, p in self._binding.params.items()}
-            return by_storage.get(param.untyped_storage().data_ptr())
-        return slot.fqn
+        return slot.fqn if slot is not None else self._by_storage.get(param.untyped_storage().data_ptr())
 
     def record(self, records: list[CollectiveRecord], reduced: set[str] = frozenset()) -> None:
         """What a compiled graph did: the collectives it issued; for a forward, the parameters it read, whose
