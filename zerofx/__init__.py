@@ -2,10 +2,16 @@
 
     step = zerofx.compile(train_step, stage=0)
     loss = step(model, optimizer, x, y)
+
+or as a torch.compile backend, training eagerly as before:
+
+    model, optimizer = zerofx.prepare(model, optimizer, stage=0)
+    model = torch.compile(model, backend=zerofx.backend(stage=0))
 """
 
 from zerofx import checkpoint, passes
 from zerofx.api import CompiledStep, Config, compile
+from zerofx.backend import backend, prepare, prepared
 from zerofx.collectives import CollectiveRecord
 from zerofx.errors import CaptureError, CheckpointError, RankMismatchError
 from zerofx.memory import LiveStorageTracker
@@ -18,5 +24,5 @@ __all__ = [
     "compile", "CompiledStep", "Config", "MixedPrecision", "LossScaling", "CaptureError", "CheckpointError",
     "RankMismatchError",
     "state_dict", "load_state_dict", "full_state_dict", "checkpoint", "StepStats", "CollectiveRecord",
-    "LiveStorageTracker", "report", "passes",
+    "LiveStorageTracker", "report", "passes", "backend", "prepare", "prepared",
 ]

@@ -1,0 +1,12 @@
+"""zerofx as a torch.compile backend: the model and optimizer stay the user's, ``loss.backward()`` and
+``optimizer.step()`` stay where they are, and the forward and backward graphs AOTAutograd produces run through the
+same passes as a whole captured step.
+
+    model, optimizer = zerofx.prepare(model, optimizer, stage=0)
+    model = torch.compile(model, backend=zerofx.backend(stage=0))
+"""
+
+from zerofx.backend.compiler import Backend, backend
+from zerofx.backend.prepared import Prepared, prepare, prepared
+
+__all__ = ["Backend", "backend", "Prepared", "prepare", "prepared"]

@@ -1,0 +1,158 @@
+"""``zerofx.prepare(model, optimizer, stage=...)``: the model and optimizer a user keeps training eagerly, made
+ready for ``torch.compile(model, backend=zerofx.backend(...))``.
+
+`Prepared` records what the backend needs to know about the model (the name of every parameter and buffer it will
+meet among a compiled region's inputs, the process group) and what a step did (the collectives issued between two
+``optimizer.step()`` calls). It carries the attributes ``zerofx.state_dict``, ``zerofx.full_state_dict``,
+``zerofx.load_state_dict`` and ``zerofx.checkpoint`` read from a compiled step, so checkpoints have one layout
+whichever way a run trains, and a run saved through one path resumes through the other.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+
+from zerofx import optim_support, runtime
+from zerofx.api import Config
+from zerofx.binding import StepBinding
+from zerofx.collectives import CollectiveRecord
+from zerofx.mesh import DTensorSpecs, mesh_ranks
+from zerofx.mixed_precision import MixedPrecision
+from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
+from zerofx.stats import StepStats, ring_volume
+from zerofx.step_graph import Role, Slot
+
+_PREPARED: "weakref.WeakKeyDictionary[nn.Module, Prepared]" = weakref.WeakKeyDictionary()
+
+
+class Prepared:
+    """A model and optimizer prepared for the zerofx backend, and what their last step did."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config):
+        self.model, self.optimizer, self.config = model, optimizer, config
+        self.ranks = mesh_ranks(config.mesh)
+        self._binding = StepBinding.from_args((model, optimizer))
+        self._args = (model, optimizer)
+        self._owned = None  # the sharded state, where a stage takes it
+        self._specs = DTensorSpecs()
+        self._slots = {id(p): Slot(Role.PARAM, fqn) for fqn, p in self._binding.params.items()}
+        self._slots.update({id(b): Slot(Role.BUFFER, fqn) for fqn, b in self._binding.buffers.items()})
+        self._by_storage = {p.untyped_storage().data_ptr(): fqn for fqn, p in self._binding.params.items()}
+        self.graphs: dict[str, object] = {}  # "region0.forward", "region0.backward", ...: the graphs as run
+        self._pending: list[CollectiveRecord] = []  # issued since the last optimizer.step()
+        self.last_records: list[CollectiveRecord] = []
+        self._accumulated: set[str] = set()  # parameters autograd accumulated a gradient into since the last step
+        self._reduced: set[str] = set()  # parameters whose gradient a compiled backward communicated since then
+        for fqn, p in self._binding.params.items():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _, fqn=fqn: self._accumulated.add(fqn))
+        optimizer.register_step_pre_hook(lambda *_: self._check_reduced())
+        optimizer.register_step_post_hook(lambda *_: self._end_step())
+
+    def slot_of(self, value) -> Slot | None:
+        """What a compiled region's input is: one of this model's parameters or buffers, or None."""
+        return self._slots.get(id(value))
+
+    def fqn_of(self, param) -> str | None:
+        """The name of a parameter as a compiled graph receives it (itself, or a tensor sharing its storage)."""
+        slot = self._slots.get(id(param))
+        return slot.fqn if slot is not None else self._by_storage.get(param.untyped_storage().data_ptr())
+
+    def record(self, records: list[CollectiveRecord], reduced: set[str] = frozenset()) -> None:
+        """What a compiled graph did: the collectives it issued; for a forward, the parameters it read, whose
+        gradients its backward communicates."""
+        self._pending.extend(records)
+        self._reduced |= reduced
+
+    def _check_reduced(self) -> None:
+        """Before the update: every gradient autograd produced came through a compiled backward, which communicated
+        it. A parameter read only outside the compiled regions (where Dynamo fell back to eager) would be updated
+        from this rank's gradient alone."""
+        missed = sorted(self._accumulated - self._reduced)
+        if missed and self.ranks.size > 1:
+            raise RuntimeError(
+                f"zerofx.backend: the gradients of {missed} were computed outside every compiled region, so no rank "
+                "averaged them; the model's forward reads these parameters where torch.compile ran eagerly (a "
+                "graph break it could not resume from, such as one inside a loop). Call "
+                "zerofx.prepared(model).graph_breaks(*inputs) to see where, and move the break out of the loop")
+
+    def _end_step(self) -> None:
+        self.last_records, self._pending = self._pending, []
+        self._accumulated, self._reduced = set(), set()
+
+    def stats(self) -> StepStats:
+        """The last step's collectives (forward, backward and ``optimizer.step()``) and communication volume."""
+        num_params = sum(p.numel() for p in self._binding.params.values() if p.requires_grad)
+        records = list(self.last_records)
+        return StepStats(self.config.stage, self.ranks.size, num_params, records,
+                         ring_volume([r for r in records if r.purpose == "data"]))
+
+    def graph_breaks(self, *args, **kwargs) -> list[str]:
+        """Where torch.compile splits the model's forward on these inputs, each break as ``torch._dynamo.explain``
+        gives it: the reason and the line of user code. Runs the forward once, without zerofx, and clears
+        torch.compile's caches (``explain`` does), so the compiled model compiles again on its next call."""
+        explained = torch._dynamo.explain(self.model)(*args, **kwargs)
+        return [_describe_break(b) for b in explained.break_reasons]
+
+    def state_dict(self) -> dict:
+        """This rank's state in place, in ``zerofx.state_dict``'s layout (a DCP ``Stateful``, as a step is)."""
+        return step_state(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        load_step_state(self, sd)
+
+
+def _describe_break(reason) -> str:
+    frame = reason.user_stack[-1] if reason.user_stack else None
+    where = f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame is not None else ""
+    return f"{reason.reason.strip()}{where}"
+
+
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 0,
+            mixed_precision: MixedPrecision | None = None, mesh=None):
+    """Make ``model`` and ``optimizer`` ready for ``torch.compile(model, backend=zerofx.backend(stage=...))`` and
+    return the two objects to keep using: every rank starts from the first rank's parameters and buffers, as DDP
+    does, and the optimizer's state exists before its first step (as torch.optim would create it), so a checkpoint
+    can be loaded into it (``zerofx.checkpoint.load(zerofx.prepared(model), ...)``). Every rank calls it, once,
+    before the model first runs."""
+    if mixed_precision is not None:
+        raise NotImplementedError("zerofx.prepare: mixed_precision is not supported by the backend path yet; use "
+                                  "zerofx.compile for mixed precision")
+    if mesh is not None:
+        raise NotImplementedError("zerofx.prepare: mesh= is not supported by the backend path yet; use "
+                                  "zerofx.compile for tensor parallelism")
+    if stage != 0:
+        raise NotImplementedError(f"zerofx.prepare: stage {stage} is not supported by the backend path yet "
+                                  "(stage 0 is); use zerofx.compile for stages 1-3")
+    if model in _PREPARED:
+        raise ValueError("zerofx.prepare: this model was prepared already")
+    prepared = Prepared(model, optimizer, Config(stage=stage, mixed_precision=mixed_precision, mesh=mesh))
+    optim_support.init_lazy_state(optimizer)
+    if prepared.ranks.size > 1:
+        runtime.sync_module_states(prepared._binding, prepared.ranks.group)
+    _PREPARED[model] = prepared
+    return model, optimizer
+
+
+def prepared(model: nn.Module) -> Prepared:
+    """The `Prepared` record of a model given to ``zerofx.prepare`` (or of ``torch.compile``'s wrapper of it)."""
+    model = getattr(model, "_orig_mod", model)
+    if model not in _PREPARED:
+        raise ValueError(f"{type(model).__name__} was not given to zerofx.prepare")
+    return _PREPARED[model]
+
+
+def owner_of(inputs) -> Prepared | None:
+    """The prepared model whose parameters are among a compiled region's inputs; None for a region that reads no
+    parameter (nothing to communicate)."""
+    for p in _PREPARED.values():
+        if any(p.slot_of(x) is not None and p.slot_of(x).role == Role.PARAM for x in inputs):
+            return p
+    if any(isinstance(x, nn.Parameter) for x in inputs):
+        raise ValueError("zerofx.backend: the compiled region reads parameters of a model not given to "
+                         "zerofx.prepare; call model, optimizer = zerofx.prepare(model, optimizer, stage=...) "
+                         "before torch.compile")
+    return None
