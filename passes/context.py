@@ -31,4 +31,5 @@ class PassContext:
     tp_group_name: str | None = None
     tp_sharded: frozenset[str] = frozenset()
     partition_activations: bool = False
+    memory_plan: bool = False  # M_D: intermediates written into one arena, reused every step
     artifacts: dict[str, Any] = field(default_factory=dict)  # what passes leave for the runtime and reports

@@ -31,12 +31,15 @@ def test_a_buffer_lives_until_the_last_reader_of_any_view_or_in_place_result():
     assert peak_live(list(spans.values()))[0] == 3 * 64 + 2 * 4  # x, y, t and the first two sums
 
 
-def test_the_example_gpt_plans_without_fragmentation_and_its_lifetimes_predict_the_measured_peak(ranks2):
-    """Every stage, 2 ranks: the arena equals the lower bound (fragmentation ≤ 1%), and the peak the lifetimes
-    predict equals the peak `StepProbe` measures on live storages, byte for byte."""
-    for per_stage in ranks2.run(cases.plans_per_stage):
-        for stage, figures in per_stage.items():
-            assert figures["fragmentation"] <= 0.01, (stage, figures)
-            assert figures["arena"] >= figures["lower_bound"] > 0
-            assert figures["predicted_peak"] == figures["measured_peak"], (stage, figures)
+def test_memory_plan_is_bitwise_and_the_lifetimes_predict_the_measured_peak(ranks2):
+    """2 ranks, the example GPT at stages 0-3 (fp32), checkpointed at stages 0 and 3 (fp32) and 1 and 3 (bf16):
+    with ``memory_plan`` every loss, parameter and optimizer state is bitwise that of the step without, and the
+    peak stays within 2% of it. Without it, the step's own buffers plan with no fragmentation (≤ 1%), and the peak
+    the lifetimes predict equals the peak `StepProbe` measures on live storages, byte for byte."""
+    for per_run in ranks2.run(cases.planned_is_bitwise_unplanned, timeout=600):
+        for name, figures in per_run.items():
+            assert figures["buffers"] > 0 and figures["arena"] >= figures["lower_bound"] > 0, name
+            assert figures["planned_peak"] <= figures["unplanned_peak"] * 1.02, (name, figures)
+            assert figures["fragmentation"] <= 0.01 or "blocks" in name, (name, figures)
+            assert figures["predicted_peak"] == figures["unplanned_peak"], (name, figures)
             assert figures["largest"] and all(nbytes > 0 for _, _, nbytes in figures["largest"])

@@ -27,7 +27,7 @@ def test_pipeline_lists_its_passes():
     text = str(pipeline(0))
     names = ["remove_profiler_ops", "checkpoint_activations", "partition_checkpoints", "offload_checkpoints",
              "recompute_pointwise",
-             "skip_nonfinite_update", "broadcast_buffers", "bucket_allreduce"]
+             "skip_nonfinite_update", "broadcast_buffers", "bucket_allreduce", "plan_memory"]
     assert [p.__name__ for p in pipeline(0).passes] == names
     for name in names:
         assert name in text

@@ -56,8 +56,9 @@ def test_dump_dir_has_one_readable_file_per_pass(ranks2, tmp_path):
     results = ranks2.run(cases.dump_files, dump_dir=str(tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00_capture.py", "01_remove_profiler_ops.py", "02_checkpoint_activations.py",
-                     "03_offload_checkpoints.py", "04_recompute_pointwise.py", "05_skip_nonfinite_update.py",
-                     "06_broadcast_buffers.py", "07_bucket_allreduce.py", "units.txt"]
+                     "03_partition_checkpoints.py", "04_offload_checkpoints.py", "05_recompute_pointwise.py",
+                     "06_skip_nonfinite_update.py", "07_broadcast_buffers.py", "08_bucket_allreduce.py",
+                     "09_plan_memory.py", "units.txt"]
     text = (tmp_path / "07_bucket_allreduce.py").read_text()
     n = results[0]["allreduces"]
     assert n == 12 and f"# collectives: {n} (" in text  # the buckets of 16 KiB counted in the test above

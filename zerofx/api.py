@@ -50,6 +50,7 @@ class Config:
     offload_activations: bool = False  # checkpoints wait in host memory between forward and backward (P_a+cpu)
     mesh: object = None  # a DeviceMesh ("dp",) or ("dp", "tp"): ZeRO over "dp", the model's DTensors over "tp"
     partition_activations: bool = False  # P_a: checkpoints replicated over "tp" kept as 1/tp slices
+    memory_plan: bool = False  # M_D: intermediates written into one preplanned arena, reused every step
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -77,7 +78,7 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
             max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = UNIT_CAP_BYTES,
             checkpoint: UnitRule | None = None, activation_budget: float | None = None,
             recompute_pointwise: bool = True, offload_activations: bool = False, mesh=None,
-            partition_activations: bool = False):
+            partition_activations: bool = False, memory_plan: bool = False):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
@@ -98,13 +99,15 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     ``parallelize_module`` split over ``"tp"``: the tensor-parallel collectives are captured as DTensor issues them.
     ``partition_activations`` (P_a) keeps each checkpoint that the tp ranks hold alike as this rank's 1/tp slice,
     all-gathered over tp before its recompute (with ``offload_activations``, the slices wait in host memory).
+    ``memory_plan`` (M_D) writes the step's intermediates into one arena planned from their lifetimes, allocated
+    once and reused every step; results are bitwise the same.
     """
     if (activation_budget is not None or offload_activations or partition_activations) and checkpoint is None:
         checkpoint = "blocks"
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
                     dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision,
                     max_traces, units, unit_cap_bytes, checkpoint, activation_budget, recompute_pointwise,
-                    offload_activations, mesh, partition_activations)
+                    offload_activations, mesh, partition_activations, memory_plan)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -253,7 +256,7 @@ class CompiledStep:
                           activation_budget=c.activation_budget, offload_activations=c.offload_activations,
                           recompute_pointwise=c.recompute_pointwise, tp_size=self._dp.tp_size,
                           tp_group_name=self._dp.tp_group_name, tp_sharded=self._specs.split(),
-                          partition_activations=c.partition_activations)
+                          partition_activations=c.partition_activations, memory_plan=c.memory_plan)
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
                                  probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint,
                                  specs=self._specs)
@@ -284,7 +287,7 @@ class CompiledStep:
             return self._last.gm
         if name not in self._last.snapshots:
             raise KeyError(f"no graph named {name!r}; known: {', '.join(self._last.snapshots)}")
-        return self._last.snapshots[name]
+        return self._last.snapshots[name].module()
 
     @property
     def loss_scale(self) -> float | None:

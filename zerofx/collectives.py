@@ -126,6 +126,10 @@ def reduce_scatter(tensor: torch.Tensor, op: str, group: str, group_size: int) -
     return _c10d.reduce_scatter_tensor(tensor, _average_first(tensor, op, group_size), group_size, group)
 
 
+# on a group of one rank these return their input itself (a list of them for the coalesced all-gather)
+IDENTITY_ON_ONE_RANK = (all_reduce, all_reduce_scalar, all_gather, all_gather_coalesced, reduce_scatter)
+
+
 def _average_first(tensor: torch.Tensor, op: str, group_size: int) -> str:
     """"avg" as DDP does it: divide in place, then sum."""
     if op == "avg":

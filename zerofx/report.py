@@ -37,6 +37,12 @@ def report(step, *, print_output: bool = True) -> str:
              f"planned in one arena of {stats.arena_bytes:,} (fragmentation {stats.fragmentation:.2%}); largest "
              "alive at the peak: " + ", ".join(f"{name} ({category}, {nbytes:,})"
                                                for name, category, nbytes in stats.largest_at_peak[:3]))
+    placed = step._last.ctx.artifacts.get("memory_plan")
+    if placed is not None:
+        text += (f"\nmemory_plan: {placed.buffers} buffers written into one arena of {placed.arena_bytes:,} bytes "
+                 f"(lower bound {placed.lower_bound_bytes:,}), allocated once; left to the allocator: "
+                 + ", ".join(f"{reason} {nbytes:,}" for reason, nbytes in sorted(placed.left.items(),
+                                                                            key=lambda item: -item[1])))
     if stats.tp_comm_volume:
         text += f"\ntensor parallelism: {stats.tp_comm_volume:,.0f} elements sent in the tp collectives"
         if stats.activation_comm_volume:

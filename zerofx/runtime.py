@@ -34,9 +34,16 @@ class CompiledGraph:
     output_slots: list[Slot]
     left_grads: set[str] = field(default_factory=set)  # parameters whose .grad the step sets; the others it clears
     reads_incoming_grads: bool = False  # the step accumulates into a .grad it finds set (no zero_grad before)
-    snapshots: dict[str, fx.GraphModule] = field(default_factory=dict)  # "capture" and each pass's name
+    snapshots: dict[str, GraphSnapshot] = field(default_factory=dict)  # "capture" and each pass's name
     verified: bool = False
     _memory_plan: StepMemoryPlan | None = None
+    _arena: torch.Tensor | None = None
+
+    def arena(self, device: torch.device) -> torch.Tensor:
+        """The bytes the planned buffers live in (``memory_plan``): allocated on the first step, kept after."""
+        if self._arena is None:
+            self._arena = torch.empty(self.ctx.artifacts["arena_bytes"], dtype=torch.uint8, device=device)
+        return self._arena
 
     def memory_plan(self) -> StepMemoryPlan:
         """The final graph's buffers, their lifetimes and their planned offsets (computed once)."""
@@ -67,16 +74,28 @@ def _group_names(graph: fx.Graph):
                 yield value
 
 
-def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy that later passes (which edit in place) leave alone."""
-    graph = fx.Graph()
-    graph._codegen = gm.graph._codegen
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    copy = fx.GraphModule(gm, graph)
-    for old, new in zip(gm.graph.nodes, copy.graph.nodes):
-        new.meta = dict(old.meta)  # the output node too: it carries the output slots
-    return copy
+@dataclass
+class GraphSnapshot:
+    """The graph after capture or after a pass, copied so that later passes (which edit in place) leave it alone.
+    Its module is built when asked for: building one generates and compiles its code, too slow to do for every
+    pass of every trace."""
+    root: fx.GraphModule
+    graph: fx.Graph
+    _module: fx.GraphModule | None = None
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule) -> "GraphSnapshot":
+        graph = fx.Graph()
+        graph._codegen = gm.graph._codegen
+        graph.output(graph.graph_copy(gm.graph, {}))
+        for old, new in zip(gm.graph.nodes, graph.nodes):
+            new.meta = dict(old.meta)  # the output node too: it carries the output slots
+        return cls(gm, graph)
+
+    def module(self) -> fx.GraphModule:
+        if self._module is None:
+            self._module = fx.GraphModule(self.root, self.graph)
+        return self._module
 
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
@@ -95,12 +114,12 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
-    snapshots = {"capture": snapshot(captured.gm)}
+    snapshots = {"capture": GraphSnapshot.of(captured.gm)}
     if dump_dir:
         dump.write(dump_dir, 0, "capture", captured.gm)
 
     def after_each(index: int, name: str, gm: fx.GraphModule) -> None:
-        snapshots[name] = snapshot(gm)
+        snapshots[name] = GraphSnapshot.of(gm)
         if dump_dir:
             dump.write(dump_dir, index, name, gm)
 
@@ -120,7 +139,11 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
     DTensor (``specs``) is wrapped back into one; ``tp_rank`` is this rank's place in its tensor-parallel group."""
 
     def lookup(slot: Slot):
-        return tp_rank if slot.role == Role.TP_RANK else state.lookup(slot) if state else None
+        if slot.role == Role.TP_RANK:
+            return tp_rank
+        if slot.role == Role.ARENA:
+            return compiled.arena(next(iter(binding.params.values())).device)
+        return state.lookup(slot) if state else None
 
     inputs = input_values(binding, args, compiled.input_slots, for_trace=False, override=lookup)
     try:

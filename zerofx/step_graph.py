@@ -34,6 +34,7 @@ class Role(str, enum.Enum):
     LOSS_SCALE = "loss_scale"  # float16 mixed precision: the dynamic loss scale (updated in place)
     GROWTH_TRACKER = "growth_tracker"  # steps since the scale last changed (updated in place)
     RANK = "rank"  # this rank's index (stages 1-3): the graph is the same on every rank, the rank is data
+    ARENA = "arena"  # the bytes planned buffers are views into (memory_plan), allocated once
     TP_RANK = "tp_rank"  # this rank's index in its tensor-parallel group (partitioned activation checkpoints)
     # values inside the graph
     GRAD = "grad"  # a parameter's gradient as backward leaves it (per micro-batch)

@@ -12,6 +12,7 @@ Lifetimes are half-open positions ``[start, end)`` over the graph's nodes, as `z
 
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass
 
@@ -28,13 +29,18 @@ _ALIASING_CALLS = (collectives.wait,)  # Python functions in the graph that retu
 
 @dataclass(frozen=True)
 class Lifetime:
-    name: str  # the defining node (with the output's index where it returns several)
+    node: str  # the defining node's name
+    index: int | None  # which of its outputs, where it returns several
     nbytes: int
     start: int
     end: int  # exclusive
     category: str  # params, optimizer_states, grads, gathered_params, checkpoints, activations, ...
     device: torch.device
     is_input: bool  # a graph input: it exists before the step and after it
+
+    @property
+    def name(self) -> str:
+        return self.node if self.index is None else f"{self.node}[{self.index}]"
 
     def block(self) -> Block:
         return Block(self.nbytes, self.start, self.end, self.name)
@@ -58,57 +64,72 @@ def lifetimes(graph: fx.Graph) -> list[Lifetime]:
         placeholder = node.op == "placeholder"
         start = 0 if placeholder else position[node]
         end = len(nodes) if placeholder else max(last_use.get((node, index), start), start) + 1
-        name = node.name if index is None else f"{node.name}[{index}]"
-        out.append(Lifetime(name, val.untyped_storage().nbytes(), start, end, category_of(node), val.device,
+        out.append(Lifetime(node.name, index, val.untyped_storage().nbytes(), start, end, category_of(node), val.device,
                             placeholder))
     return out
 
 
 class _Buffers:
-    """Which buffer each node's value is: a buffer is (defining node, output index or None)."""
+    """Which buffers each node's value is: a buffer is (defining node, output index or None); a node that returns
+    several tensors has one per output (None where an output is not a tensor)."""
 
     def __init__(self):
-        self.single: dict[fx.Node, tuple[fx.Node, int | None]] = {}
-        self.several: dict[fx.Node, fx.Node] = {}  # a node whose value is the list a defining node returned
+        self.keys: dict[fx.Node, list[tuple[fx.Node, int | None] | None]] = {}
 
     def define(self, node: fx.Node) -> list[tuple[fx.Node, int | None, torch.Tensor]]:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            self.single[node] = (node, None)
+            self.keys[node] = [(node, None)]
             return [(node, None, val)]
-        if isinstance(val, (list, tuple)):
-            self.several[node] = node
-            return [(node, i, t) for i, t in enumerate(val) if isinstance(t, torch.Tensor)]
-        return []
+        if not isinstance(val, (list, tuple)):
+            return []
+        self.keys[node] = [(node, i) if isinstance(t, torch.Tensor) else None for i, t in enumerate(val)]
+        return [(node, i, t) for i, t in enumerate(val) if isinstance(t, torch.Tensor)]
 
     def follow(self, node: fx.Node) -> bool:
-        """Record ``node`` as aliasing a buffer it reads (a view, an in-place result, a wait, an element of a list);
-        False if its value is new."""
+        """Record ``node`` as aliasing buffers it reads (a view, an in-place result, a wait, an element of a list,
+        what an ``out=`` variant wrote); False if its value is new."""
+        written = _written_arguments(node) or _returned_inputs(node)
+        if written and all(w in self.keys for w in written):
+            self.keys[node] = [k for w in written for k in self.keys[w]]
+            return True
         if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
             return False
         first = node.args[0]
-        if node.target is operator.getitem and first in self.several:
-            self.single[node] = (self.several[first], node.args[1])
+        if first not in self.keys:
+            return False
+        if node.target is operator.getitem:
+            self.keys[node] = [self.keys[first][node.args[1]]]
             return True
-        if not (aliases_first_arg(node) or node.target in _ALIASING_CALLS or node.target is operator.getitem):
-            return False
-        if first in self.several:
-            self.several[node] = self.several[first]
-        elif first in self.single:
-            self.single[node] = self.single[first]
-        else:
-            return False
-        return True
+        if aliases_first_arg(node) or node.target in _ALIASING_CALLS:
+            val = node.meta.get("val")
+            views = len(val) if isinstance(val, (list, tuple)) and len(self.keys[first]) == 1 else 1
+            self.keys[node] = self.keys[first] * views  # split, unbind: every piece is a view of the one buffer
+            return True
+        return False
 
     def read_by(self, node: fx.Node) -> set[tuple[fx.Node, int | None]]:
-        keys = set()
-        for arg in node.all_input_nodes:
-            if arg in self.single:
-                keys.add(self.single[arg])
-            elif arg in self.several:
-                defining = self.several[arg]
-                keys.update((defining, i) for i in range(len(defining.meta["val"])))
-        return keys
+        return {k for arg in node.all_input_nodes for k in self.keys.get(arg, ()) if k is not None}
+
+
+def _returned_inputs(node: fx.Node) -> list[fx.Node]:
+    """What a collective on a group of one rank returns: its input (`collectives.IDENTITY_ON_ONE_RANK`)."""
+    if node.op != "call_function" or node.target not in collectives.IDENTITY_ON_ONE_RANK:
+        return []
+    bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+    if bound["group_size"] != 1:
+        return []
+    inputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+    return [i for i in inputs if isinstance(i, fx.Node)]
+
+
+def _written_arguments(node: fx.Node) -> list[fx.Node]:
+    """The buffers an ``out=`` variant writes into and returns (``out``, ``out0``..., ``grad_input``)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    written = [node.kwargs.get(a.name) for a in schema.arguments if a.is_out]
+    return [w for w in written if isinstance(w, fx.Node)]
 
 
 def peak_live(spans: list[Lifetime]) -> tuple[int, int]:

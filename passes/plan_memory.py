@@ -1,0 +1,170 @@
+"""M_D: the step's intermediate buffers become views into one arena, allocated once and reused every step.
+
+From the final graph's lifetimes (`zerofx.memory.lifetimes`), each buffer an ATen op allocates fresh (one contiguous
+tensor, not returned by the step, not the step's input) is planned, when the op has an ``out=`` variant: the op then
+writes into its slot of the arena, a view at the planned offset. Buffers alive at the same time never share a byte
+(`zerofx.memory.plan`), so long- and short-lived tensors never interleave in an allocator's free lists, and a step asks
+the allocator only for what is not planned. What is left to the allocator (collectives' results, ops returning
+several tensors, ops without an ``out=`` variant, strided outputs) is counted by class in the report.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from zerofx.memory.lifetimes import Lifetime, lifetimes
+from zerofx.memory.planner import HEURISTICS, plan
+from zerofx.passes.context import PassContext
+from zerofx.passes.graph_edit import add_call, fake_mode_of
+from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot
+
+aten = torch.ops.aten
+ALIGNMENT = 64  # bytes: every slot starts on a cache line (and on any dtype's alignment)
+
+
+def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Expects: the final graph (every other pass has run); ``ctx.memory_plan`` (False: unchanged). Guarantees: each
+    planned node is replaced by its op's ``out=`` variant writing into views of the ``arena`` placeholder (a
+    ``uint8`` tensor of ``ctx.artifacts["arena_bytes"]``, added) at its outputs' planned offsets; no two buffers alive
+    at the same time overlap; values are unchanged. Leaves ``ctx.artifacts["memory_plan"]``: a `PlannedMemory`."""
+    if not ctx.memory_plan:
+        return gm
+    graph = gm.graph
+    nodes = {n.name: n for n in graph.nodes}
+    by_node: dict[str, list[Lifetime]] = {}
+    for span in lifetimes(graph):
+        if not span.is_input:
+            by_node.setdefault(span.node, []).append(span)
+    chosen, others, left = [], [], Counter()
+    for name, spans in by_node.items():
+        reason = _why_not(nodes[name], spans, len(nodes))
+        if reason is None:
+            chosen.append(spans)
+        else:
+            others += spans
+            left[reason] += sum(s.nbytes for s in spans)
+    chosen = _fit_under_peak(chosen, others, len(nodes), left)
+    if not chosen:
+        return gm
+    # heuristics only, no time-limited search: the plan, and so the graph, is the same on every rank
+    placed = plan([s.block() for s in chosen], alignment=ALIGNMENT, heuristics=HEURISTICS)
+    arena = _arena_placeholder(graph, placed.arena_bytes, chosen[0].device)
+    offsets: dict[str, list[int]] = {}
+    for span, offset in zip(chosen, placed.offsets):
+        offsets.setdefault(span.node, []).append(offset)
+    for name, node_offsets in offsets.items():
+        _write_into_slots(graph, nodes[name], arena, node_offsets)
+    ctx.artifacts["arena_bytes"] = placed.arena_bytes
+    ctx.artifacts["memory_plan"] = PlannedMemory(len(chosen), sum(s.nbytes for s in chosen), placed.arena_bytes,
+                                                 placed.lower_bound_bytes, dict(left))
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+class PlannedMemory:
+    """What `plan_memory` placed in the arena, and what it left to the allocator (bytes by reason)."""
+
+    def __init__(self, buffers: int, planned_bytes: int, arena_bytes: int, lower_bound_bytes: int,
+                 left: dict[str, int]):
+        self.buffers, self.planned_bytes, self.arena_bytes = buffers, planned_bytes, arena_bytes
+        self.lower_bound_bytes, self.left = lower_bound_bytes, left
+
+
+def _why_not(node: fx.Node, spans: list[Lifetime], end_of_step: int) -> str | None:
+    """None if ``node``'s outputs can live in the arena, else why not (the report's reason)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return "a collective or other call"
+    if any(s.end >= end_of_step for s in spans):
+        return "returned by the step"  # the next step would overwrite it
+    vals = _outputs(node)
+    if len(vals) != len(spans):
+        return "outputs that are not tensors"
+    variant = _out_variant(node.target)
+    if variant is None or len(variant[1]) != len(vals):
+        return f"no out= variant ({node.target.overloadpacket.__name__})"
+    if not all(v.is_contiguous() and v.storage_offset() == 0
+               and v.untyped_storage().nbytes() == v.numel() * v.element_size() for v in vals):
+        return "strided output"
+    return None
+
+
+def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length: int,
+                    left: Counter) -> list[Lifetime]:
+    """The arena is held all step, the buffers left to the allocator come and go: planned, the step holds the
+    arena's size plus the most those others hold at once, which exceeds the unplanned peak whenever the planned
+    buffers are busiest at another time. Leave to the allocator, largest first, planned buffers alive where the
+    planned ones peak but not where the others do, until the planned peak is where the others peak."""
+    chosen = sorted(chosen, key=lambda spans: -sum(s.nbytes for s in spans))
+    while chosen:
+        planned, rest = _live(chosen, length), _live([[s] for s in others], length)
+        at_rest_peak = int(rest.argmax())
+        if planned.max() <= planned[at_rest_peak]:
+            break
+        at_planned_peak = int(planned.argmax())
+        index = next((i for i, spans in enumerate(chosen)
+                      if any(s.start <= at_planned_peak < s.end for s in spans)
+                      and not any(s.start <= at_rest_peak < s.end for s in spans)), None)
+        if index is None:
+            break
+        moved = chosen.pop(index)
+        others += moved
+        left["held where the planned buffers peak"] += sum(s.nbytes for s in moved)
+    return [s for spans in chosen for s in spans]
+
+
+def _live(groups: list[list[Lifetime]], length: int) -> np.ndarray:
+    """Bytes alive at each position."""
+    delta = np.zeros(length + 1, dtype=np.int64)
+    for spans in groups:
+        for s in spans:
+            delta[s.start] += s.nbytes
+            delta[s.end] -= s.nbytes
+    return np.cumsum(delta)[:length]
+
+
+def _outputs(node: fx.Node) -> list:
+    val = node.meta["val"]
+    return [val] if isinstance(val, torch.Tensor) else list(val)
+
+
+def _out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, list[str]] | None:
+    """The overload of ``op``'s packet taking the same arguments plus the outputs to write (``out=``,
+    ``out0=``..., ``grad_input=``), and those arguments' names."""
+    names = [a.name for a in op._schema.arguments]
+    for overload in op.overloadpacket.overloads():
+        candidate = getattr(op.overloadpacket, overload)
+        arguments = candidate._schema.arguments
+        outs = [a.name for a in arguments if a.is_out]
+        if outs and [a.name for a in arguments if not a.is_out] == names:
+            return candidate, outs
+    return None
+
+
+def _arena_placeholder(graph: fx.Graph, nbytes: int, device: torch.device) -> fx.Node:
+    last_placeholder = [p for p in graph.nodes if p.op == "placeholder"][-1]
+    with graph.inserting_after(last_placeholder):
+        arena = graph.placeholder("arena")
+    with fake_mode_of(graph):
+        val = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    arena.meta.update(val=val, **{TAG: NodeTag(Phase.FORWARD, 0, [Slot(Role.ARENA)])})
+    return arena
+
+
+def _write_into_slots(graph: fx.Graph, node: fx.Node, arena: fx.Node, offsets: list[int]) -> None:
+    variant, out_names = _out_variant(node.target)
+    slots = {}
+    with graph.inserting_before(node):
+        for name, val, offset in zip(out_names, _outputs(node), offsets):
+            raw = add_call(graph, aten.slice.Tensor, (arena, 0, offset, offset + val.numel() * val.element_size()),
+                           like=node)
+            typed = add_call(graph, aten.view.dtype, (raw, val.dtype), like=node)
+            slots[name] = add_call(graph, aten.view.default, (typed, list(val.shape)), like=node)
+        written = graph.call_function(variant, node.args, {**node.kwargs, **slots})
+    written.meta.update(node.meta)
+    node.replace_all_uses_with(written)
+    graph.erase_node(node)
