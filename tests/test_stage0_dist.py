@@ -59,14 +59,14 @@ def test_dump_dir_has_one_readable_file_per_pass(ranks2, tmp_path):
                      "03_partition_checkpoints.py", "04_offload_checkpoints.py", "05_recompute_pointwise.py",
                      "06_skip_nonfinite_update.py", "07_broadcast_buffers.py", "08_bucket_allreduce.py",
                      "09_plan_memory.py", "units.txt"]
-    text = (tmp_path / "07_bucket_allreduce.py").read_text()
+    text = (tmp_path / "08_bucket_allreduce.py").read_text()
     n = results[0]["allreduces"]
     assert n == 12 and f"# collectives: {n} (" in text  # the buckets of 16 KiB counted in the test above
     assert text.count("= zerofx_collectives_all_reduce(") == n
     assert "# collectives: 0 (0 bytes)" in (tmp_path / "00_capture.py").read_text()
     assert "p__wte_weight" in text and 'f32[65, 32]' in text  # parameters by name, with shapes
     namespace = {}
-    exec(compile(text, "07_bucket_allreduce.py", "exec"), namespace)  # the dump is a Python module
+    exec(compile(text, "08_bucket_allreduce.py", "exec"), namespace)  # the dump is a Python module
     assert "forward" in vars(namespace["Step"])
     assert results[0]["final_is_last_pass"] and results[0]["capture_has_no_allreduce"]
 
