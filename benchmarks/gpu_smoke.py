@@ -1,7 +1,9 @@
 """GPU smoke check, for a machine with one CUDA device: the compiled step runs on the GPU and matches eager, at
 stage 0 as the loop is usually written and at stage 3 with zero_grad after the update and a short last batch;
 stage 3 in bf16 (casts of the masters gathered) trains and stays within bf16 rounding of eager; stage 3 with every
-block checkpointed and its checkpoints offloaded to pinned host memory matches eager too.
+block checkpointed and its checkpoints offloaded to pinned host memory matches eager too; stage 0 and stage 3 with
+``memory_plan`` (intermediates in one arena) match eager, and each line prints ``max_memory_reserved`` beside
+``max_memory_allocated``, planned and unplanned.
 
     python benchmarks/gpu_smoke.py
 
@@ -53,8 +55,10 @@ def run(name, cfg, device, make_step, fn):
         losses.append(step(model, opt, x, y).item())
     torch.cuda.synchronize()
     ms = (time.perf_counter() - start) / 15 * 1e3
-    print(f"{name:22s} final loss {losses[-1]:.5f}  {ms:.2f} ms/step  max allocated "
-          f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB")
+    print(f"{name:26s} final loss {losses[-1]:.5f}  {ms:.2f} ms/step  max allocated "
+          f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB, reserved "
+          f"{torch.cuda.max_memory_reserved() / 2**20:.1f} MiB")
+    torch.cuda.empty_cache()  # reserved memory is measured per check
     torch.cuda.reset_peak_memory_stats()
     full = zerofx.full_state_dict(step)["model"] if isinstance(step, zerofx.CompiledStep) else model.state_dict()
     return losses, full
@@ -71,7 +75,9 @@ def main() -> None:
               ("zerofx stage 3 bf16", zero_grad_last,
                {"stage": 3, "mixed_precision": zerofx.MixedPrecision(torch.bfloat16)}, 3e-2),
               ("zerofx stage 3 offload", zero_grad_last,
-               {"stage": 3, "checkpoint": "blocks", "offload_activations": True}, 1e-4)]
+               {"stage": 3, "checkpoint": "blocks", "offload_activations": True}, 1e-4),
+              ("zerofx stage 0 memory_plan", train_step, {"stage": 0, "memory_plan": True}, 1e-4),
+              ("zerofx stage 3 memory_plan", zero_grad_last, {"stage": 3, "memory_plan": True}, 1e-4)]
     for name, fn, kwargs, rtol in checks:
         losses, state = run(name, cfg, device, lambda f, kwargs=kwargs: zerofx.compile(f, **kwargs), fn)
         ref_losses, ref_state = eager[fn.__name__]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from zerofx.memory.lifetimes import Lifetime, lifetimes
+from zerofx.memory.lifetimes import Lifetime, lifetimes, step_device
 from zerofx.memory.planner import HEURISTICS, plan
 from zerofx.passes.context import PassContext
 from zerofx.passes.graph_edit import add_call, fake_mode_of
@@ -35,9 +35,11 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
+    spans = lifetimes(graph)
+    device = step_device(spans)
     by_node: dict[str, list[Lifetime]] = {}
-    for span in lifetimes(graph):
-        if not span.is_input:
+    for span in spans:
+        if not span.is_input and span.device == device:  # host copies (offloaded checkpoints) stay apart
             by_node.setdefault(span.node, []).append(span)
     chosen, others, left = [], [], Counter()
     for name, spans in by_node.items():
@@ -135,12 +137,12 @@ def _outputs(node: fx.Node) -> list:
 def _out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, list[str]] | None:
     """The overload of ``op``'s packet taking the same arguments plus the outputs to write (``out=``,
     ``out0=``..., ``grad_input=``), and those arguments' names."""
-    names = [a.name for a in op._schema.arguments]
+    signature = [(a.name, str(a.type)) for a in op._schema.arguments]  # pow(Tensor, number) is not pow(Tensor, Tensor)
     for overload in op.overloadpacket.overloads():
         candidate = getattr(op.overloadpacket, overload)
         arguments = candidate._schema.arguments
         outs = [a.name for a in arguments if a.is_out]
-        if outs and [a.name for a in arguments if not a.is_out] == names:
+        if outs and [(a.name, str(a.type)) for a in arguments if not a.is_out] == signature:
             return candidate, outs
     return None
 

@@ -1,5 +1,6 @@
 """Lifetimes of a step graph's buffers (`zerofx.memory.lifetimes`) and the planned arena `stats()` reports."""
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -43,3 +44,41 @@ def test_memory_plan_is_bitwise_and_the_lifetimes_predict_the_measured_peak(rank
             assert figures["fragmentation"] <= 0.01 or "blocks" in name, (name, figures)
             assert figures["predicted_peak"] == figures["unplanned_peak"], (name, figures)
             assert figures["largest"] and all(nbytes > 0 for _, _, nbytes in figures["largest"])
+
+
+class _TwoProjections(torch.nn.Module):
+    """A bias-free projection of a 3-D input (``mm`` viewed back by ``_unsafe_view``, whose schema does not say it
+    is a view), whose output the step returns, then a second projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32, bias=False)
+        self.b = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.relu(h)), h
+
+
+def _returns_hidden(model, optimizer, x):
+    optimizer.zero_grad()
+    out, hidden = model(x)
+    loss = out.pow(2).mean()  # pow with a scalar exponent: its out= variant is not the tensor-exponent one
+    loss.backward()
+    optimizer.step()
+    return loss, hidden
+
+
+@pytest.mark.parametrize("recompute_pointwise", [False, True])
+def test_memory_plan_leaves_what_the_step_returns_intact(recompute_pointwise):
+    import zerofx
+
+    results = []
+    for memory_plan in (False, True):
+        torch.manual_seed(0)
+        model = _TwoProjections()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = zerofx.compile(_returns_hidden, memory_plan=memory_plan, recompute_pointwise=recompute_pointwise)
+        results.append([tuple(t.clone() for t in step(model, opt, torch.randn(4, 8, 16))) for _ in range(2)])
+    for (loss, hidden), (want_loss, want_hidden) in zip(results[1], results[0]):
+        assert torch.equal(loss, want_loss) and torch.equal(hidden, want_hidden)

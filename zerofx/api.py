@@ -177,7 +177,8 @@ class CompiledStep:
         frozen = guards.freeze(key)
         if key != self._last_key:
             self._refuse_refreezing(binding)
-        if world_size > 1 and self.config.verify_ranks:
+        several_ranks = dist.is_initialized() and dist.get_world_size() > 1  # tensor-parallel peers included
+        if several_ranks and self.config.verify_ranks:
             settle = ranks.agree(guards.key_hash(key), "the step's inputs",
                                  lambda: guards.describe_change({}, key) if self._last_key is None
                                  else f"{guards.describe_change(self._last_key, key) or 'same as its last step'}")
@@ -191,7 +192,7 @@ class CompiledStep:
             compiled, key = self._build(binding, args, key, world_size, group_name)
         else:
             self._cache.move_to_end(frozen)
-        if world_size > 1 and not compiled.verified:
+        if several_ranks and not compiled.verified:
             ranks.verify_same(compiled.fingerprint, "the captured graph",
                               lambda: f"graph fingerprint {compiled.fingerprint:x}")
             compiled.verified = True

@@ -1,4 +1,4 @@
-"""ZeRO on a device mesh: state sharded over the ``"dp"`` dimension, tensor parallelism over ``"tp"`` as DTensor does it.
+"""ZeRO on a device mesh: state sharded over the ``"dp"`` dimension, tensor parallelism over ``"tp"`` by DTensor.
 
 The user applies PyTorch's ``parallelize_module`` over ``mesh["tp"]``; its parameters (and the optimizer's state for
 them) are then DTensors. The step graph deals in local tensors only: each DTensor the step reads enters the graph as
@@ -75,6 +75,11 @@ class DTensorSpecs:
                                        "zerofx needs to know which mesh dimension it shards over",
                                        hint="pass mesh= (a DeviceMesh with dimensions ('dp', 'tp')) to "
                                             "zerofx.compile")
+                tp = mesh[TENSOR_PARALLEL] if TENSOR_PARALLEL in (mesh.mesh_dim_names or ()) else None
+                if tp is None or p.device_mesh != tp:
+                    raise CaptureError(f"parameter '{fqn}' is a DTensor over {p.device_mesh}, not over the mesh's "
+                                       f"'tp' dimension ({tp}): zerofx shards over 'dp' itself",
+                                       hint="apply parallelize_module over mesh['tp'] only, and no fully_shard")
                 self.params[fqn] = p._spec
         fqn_of = binding.fqn_of
         for oi, opt in enumerate(binding.optimizers(args)):

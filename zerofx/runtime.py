@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import inspect
 from dataclasses import dataclass, field
 
@@ -16,7 +17,8 @@ from zerofx.binding import StepBinding, incoming_grads, input_values, present_gr
 from zerofx.capture import CapturedStep, capture
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
-from zerofx.memory.lifetimes import StepMemoryPlan, plan_step
+from zerofx.memory import timeline
+from zerofx.memory.lifetimes import StepMemoryPlan, lifetimes, plan_step
 from zerofx.mesh import DTensorSpecs, local, wrap
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext, pipeline
@@ -39,10 +41,12 @@ class CompiledGraph:
     _memory_plan: StepMemoryPlan | None = None
     _arena: torch.Tensor | None = None
 
-    def arena(self, device: torch.device) -> torch.Tensor:
+    def arena(self) -> torch.Tensor:
         """The bytes the planned buffers live in (``memory_plan``): allocated on the first step, kept after."""
         if self._arena is None:
-            self._arena = torch.empty(self.ctx.artifacts["arena_bytes"], dtype=torch.uint8, device=device)
+            planned = next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == "arena")
+            val = planned.meta["val"]
+            self._arena = torch.empty(val.numel(), dtype=torch.uint8, device=val.device)
         return self._arena
 
     def memory_plan(self) -> StepMemoryPlan:
@@ -126,10 +130,20 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     gm = pipeline(ctx.stage).run(captured.gm, ctx, after_each)
     if dump_dir:
         dump.write_units(dump_dir, ctx.artifacts)
+        _write_timeline(dump_dir, snapshots)
     sg = StepGraph(gm)
     outputs = sg.output_slots()
     left_grads = {s.fqn for s in outputs if s.role == Role.GRAD_OUT}
     return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, left_grads, bool(read), snapshots)
+
+
+def _write_timeline(dump_dir: str, snapshots: dict[str, GraphSnapshot]) -> None:
+    """memory.png: the final graph's live bytes by class, and the graph before ``plan_memory`` where it planned."""
+    names = list(snapshots)
+    shown = names[-2:] if "arena" in {n.name for n in snapshots[names[-1]].graph.nodes} else names[-1:]
+    timeline.write(os.path.join(dump_dir, "memory.png"),
+                   {f"after {name}": (lifetimes(snapshots[name].graph), len(snapshots[name].graph.nodes))
+                    for name in shown})
 
 
 def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: ShardedState | None,
@@ -142,7 +156,7 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
         if slot.role == Role.TP_RANK:
             return tp_rank
         if slot.role == Role.ARENA:
-            return compiled.arena(next(iter(binding.params.values())).device)
+            return compiled.arena()
         return state.lookup(slot) if state else None
 
     inputs = input_values(binding, args, compiled.input_slots, for_trace=False, override=lookup)

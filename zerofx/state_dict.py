@@ -68,6 +68,10 @@ def load_state_dict(step, sd: dict) -> None:
     each rank keeps its shards. Raises ``KeyError`` naming every missing or unexpected key and ``ValueError`` for a
     shape that differs, before anything is changed."""
     binding, args, owned = _bound(step)
+    if step._specs and owned is not None and owned.stage >= 1:
+        raise NotImplementedError("zerofx.load_state_dict into a step with tensor-parallel (DTensor) parameters at "
+                                  f"stage {owned.stage} is not supported yet; load the model and optimizer before "
+                                  "compiling, or use stage 0")
     expected = state_dict(step)
     _check_fits(expected, sd, binding)
     with torch.no_grad():

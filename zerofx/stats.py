@@ -138,8 +138,9 @@ def _tp_volume(graph, ctx) -> float:
     total = 0.0
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _TP_COLLECTIVES and node.args[-1] == ctx.tp_group_name:
-            numel = node.meta["val"].numel()
-            total += numel * share * (2 if node.target is _c10d.all_reduce.default else 1)
+            # ring accounting counts the full buffer: a reduce-scatter's input, an all-gather's output
+            full = node.args[0] if node.target is _c10d.reduce_scatter_tensor.default else node
+            total += full.meta["val"].numel() * share * (2 if node.target is _c10d.all_reduce.default else 1)
     return total
 
 

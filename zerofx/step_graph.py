@@ -96,10 +96,15 @@ def is_mutating(node: fx.Node) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
+# ops returning a view of their first argument without an alias annotation: the functional collectives' wait (the
+# collective's output buffer it was given) and _unsafe_view (a view that autograd treats as a new tensor)
+HIDDEN_ALIASES = (torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten._unsafe_view.default)
+
+
 def aliases_first_arg(node: fx.Node) -> bool:
-    """True for an op whose output aliases its first argument: views, in-place ops, and the functional collectives'
-    ``wait_tensor``, which returns the collective's output buffer it was given (its schema does not say so)."""
-    if node.target is torch.ops._c10d_functional.wait_tensor.default:
+    """True for an op whose output aliases its first argument: views, in-place ops, and the ops whose schema does not
+    say so (`HIDDEN_ALIASES`)."""
+    if node.target in HIDDEN_ALIASES:
         return True
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None or not schema.arguments or not node.args:

@@ -3,7 +3,8 @@
 A buffer is the storage behind a node's output (or each tensor of a node that returns several). It is defined where
 its node runs and lives until the last node that reads it or anything aliasing it: a view, an in-place update's
 result, a collective's ``wait`` (so a collective's output lives until it is waited on and read, and a collective's
-input until its wait, which takes it as an argument for that reason). The step's inputs (parameters or their shards,
+input until its wait: zerofx's waits take it as an argument for that reason, and the input of a functional collective
+DTensor issued counts as read at its ``wait_tensor``). The step's inputs (parameters or their shards,
 optimizer state, the batch) exist before the step and after it; what the graph returns lives to the end. Each buffer
 has its bytes and its class, the categories the memory reports use (``zerofx.memory.tracking``).
 
@@ -55,7 +56,7 @@ def lifetimes(graph: fx.Graph) -> list[Lifetime]:
     defined: list[tuple[fx.Node, int | None, torch.Tensor]] = []
     for node in nodes:
         used_until = len(nodes) - 1 if node.op == "output" else position[node]  # returned: alive to the end
-        for key in buffers.read_by(node):
+        for key in buffers.read_by(node) | buffers.read_by(_functional_collective_waited(node)):
             last_use[key] = used_until
         if node.op != "output" and not buffers.follow(node):
             defined += buffers.define(node)
@@ -108,8 +109,20 @@ class _Buffers:
             return True
         return False
 
-    def read_by(self, node: fx.Node) -> set[tuple[fx.Node, int | None]]:
+    def read_by(self, node: fx.Node | None) -> set[tuple[fx.Node, int | None]]:
+        if node is None:
+            return set()
         return {k for arg in node.all_input_nodes for k in self.keys.get(arg, ()) if k is not None}
+
+
+def _functional_collective_waited(node: fx.Node) -> fx.Node | None:
+    """The functional collective (one DTensor issued) a ``wait_tensor`` completes: its input is read until then,
+    by the backend's own stream or thread."""
+    if node.target is torch.ops._c10d_functional.wait_tensor.default and isinstance(node.args[0], fx.Node):
+        issued = node.args[0]
+        if getattr(issued.target, "namespace", None) == "_c10d_functional":
+            return issued
+    return None
 
 
 def _returned_inputs(node: fx.Node) -> list[fx.Node]:
@@ -164,11 +177,16 @@ class StepMemoryPlan:
         return sorted(alive, key=lambda s: -s.nbytes)[:most]
 
 
+def step_device(spans: list[Lifetime]) -> torch.device:
+    """The device most of the step's inputs are on (its parameters and state)."""
+    devices = [s.device for s in spans if s.is_input] or [s.device for s in spans]
+    return max(set(devices), key=devices.count)
+
+
 def plan_step(graph: fx.Graph, alignment: int = 64) -> StepMemoryPlan:
     spans = lifetimes(graph)
-    devices = [s.device for s in spans if s.is_input] or [s.device for s in spans]
-    device = max(set(devices), key=devices.count)  # the step's; host copies (offloaded checkpoints) stay apart
-    planned = [s for s in spans if not s.is_input and s.device == device]
+    device = step_device(spans)
+    planned = [s for s in spans if not s.is_input and s.device == device]  # host copies stay apart
     # a step has hundreds of buffers, not thousands: every heuristic is affordable
     return StepMemoryPlan(spans, planned, plan([s.block() for s in planned], alignment=alignment,
                                                heuristics=HEURISTICS))

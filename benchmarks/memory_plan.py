@@ -1,0 +1,97 @@
+"""``memory_plan=True`` against the same step without it: allocator calls per step, peak live bytes, the process's
+resident high-water mark and step time, on the benchmark GPT (one process, CPU).
+
+    OMP_NUM_THREADS=1 python benchmarks/memory_plan.py [--stages 0 3] [--rounds 5]
+
+Each configuration runs in a process of its own (the resident high-water mark cannot be reset). Allocator calls
+are the profiler's memory events (``torch.profiler.profile(profile_memory=True)``) in one step after warm-up; peak
+bytes are `zerofx.LiveStorageTracker`'s over one step; step time is the median over interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def measure(stage: int, planned: bool, checkpoint: str | None, steps: int) -> dict:
+    import torch
+
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    import zerofx
+    from nanogpt import GPT, GPTConfig, param_groups
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
+
+    def train_step(model, optimizer, x, y):
+        optimizer.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step = zerofx.compile(train_step, stage=stage, memory_plan=planned, checkpoint=checkpoint)
+    g = torch.Generator().manual_seed(0)
+    batch = [(torch.randint(0, 65, (8, 64), generator=g), torch.randint(0, 65, (8, 64), generator=g))
+             for _ in range(steps + 3)]
+    for x, y in batch[:2]:
+        step(model, opt, x, y)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, opt, *batch[2])
+    allocations = sum(1 for e in prof.events() if e.name == "[memory]" and e.cpu_memory_usage > 0)
+    with zerofx.LiveStorageTracker(roots=[model.state_dict(), opt.state_dict()]) as tracker:
+        step(model, opt, *batch[2])
+    times = []
+    for x, y in batch[3:]:
+        start = time.perf_counter()
+        step(model, opt, x, y)
+        times.append(time.perf_counter() - start)
+    return {"allocations": allocations, "peak_bytes": tracker.peak_bytes,
+            "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "step_ms": statistics.median(times) * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, nargs="*", default=[0, 3])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # run one configuration, print its figures as JSON
+    args = parser.parse_args()
+    if args.one:
+        stage, planned = json.loads(args.one)
+        print(json.dumps(measure(stage, planned, args.checkpoint, args.steps)))
+        return
+    rows = {}
+    for _ in range(args.rounds):
+        for stage in args.stages:
+            for planned in (False, True):
+                cmd = [sys.executable, __file__, "--one", json.dumps([stage, planned]), "--steps", str(args.steps)]
+                if args.checkpoint:
+                    cmd += ["--checkpoint", args.checkpoint]
+                done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                out = json.loads(done.stdout.splitlines()[-1])
+                rows.setdefault((stage, planned), []).append(out)
+    print(f"| stage | memory_plan | allocator calls per step | peak live bytes | resident high-water KiB | step ms "
+          f"(median of {args.rounds} rounds) |")
+    print("|--:|---|--:|--:|--:|--:|")
+    for (stage, planned), runs in rows.items():
+        print(f"| {stage} | {'yes' if planned else 'no'} | {statistics.median(r['allocations'] for r in runs):.0f} | "
+              f"{statistics.median(r['peak_bytes'] for r in runs):,.0f} | "
+              f"{statistics.median(r['rss_kib'] for r in runs):,.0f} | "
+              f"{statistics.median(r['step_ms'] for r in runs):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
