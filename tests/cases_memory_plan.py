@@ -11,8 +11,8 @@ from zerofx.memory.lifetimes import peak_live
 EXAMPLE_GPT = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64)  # examples/train_gpt.py
 
 
-RUNS = [(0, "fp32", None), (1, "fp32", None), (2, "fp32", None), (3, "fp32", None), (0, "fp32", "blocks"),
-        (3, "fp32", "blocks"), (1, "bf16", "blocks"), (3, "bf16", "blocks")]
+RUNS = [(0, "fp32", None), (1, "fp32", None), (2, "fp32", None), (3, "fp32", None), (3, "fp32", "blocks"),
+        (1, "bf16", "blocks")]
 
 
 def _train(rank, stage, precision, checkpoint, memory_plan, steps=2):

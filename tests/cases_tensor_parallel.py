@@ -28,15 +28,20 @@ def _full(value) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _fsdp2(mesh, steps):
+def _fsdp2(mesh, steps, snapshots):
+    """FSDP2's losses, and its full parameters after each number of steps in ``snapshots``."""
     model = _tensor_parallel_model(mesh)
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
     dp_rank = mesh["dp"].get_local_rank()
-    losses = [train_step(model, opt, *token_batch(i, dp_rank, cfg=CFG)).item() for i in range(steps)]
-    return losses, {name: _full(p.detach()) for name, p in model.named_parameters()}
+    losses, params = [], {}
+    for i in range(steps):
+        losses.append(train_step(model, opt, *token_batch(i, dp_rank, cfg=CFG)).item())
+        if i + 1 in snapshots:
+            params[i + 1] = {name: _full(p.detach()) for name, p in model.named_parameters()}
+    return losses, params
 
 
 def _zerofx(mesh, stage, steps, **compile_kwargs):
@@ -53,18 +58,18 @@ VARIANTS = {"plain": {}, "blocks": CHECKPOINTED, "P_a": {**CHECKPOINTED, "partit
             "P_a+cpu": {**CHECKPOINTED, "partition_activations": True, "offload_activations": True}}
 
 
-def stages_match_fsdp2(rank, world_size, runs=tuple((s, "plain") for s in range(4)), steps=10):
-    """Each (stage, variant) of ``runs`` against one FSDP2 + TP run: losses and full parameters within rtol 1e-5.
-    Returns each run's losses and measured figures."""
+def stages_match_fsdp2(rank, world_size, runs=tuple((s, "plain", 10) for s in range(4))):
+    """Each (stage, variant, steps) of ``runs`` against one FSDP2 + TP run: losses and full parameters within
+    rtol 1e-5. Returns each run's losses and measured figures."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    want_losses, want_params = _fsdp2(mesh, steps)
+    want_losses, want_params = _fsdp2(mesh, max(steps for *_, steps in runs), {steps for *_, steps in runs})
     out = {}
-    for stage, variant in runs:
+    for stage, variant, steps in runs:
         losses, got, step = _zerofx(mesh, stage, steps, **VARIANTS[variant])
         name = f"stage {stage} {variant}"
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0,
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses[:steps]), rtol=1e-5, atol=0,
                                    msg=lambda m: f"{name}: {m}")
-        for key, want in want_params.items():
+        for key, want in want_params[steps].items():
             torch.testing.assert_close(_full(got[key]), want, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name}, {key}: {m}")
         stats = step.stats()

@@ -9,15 +9,17 @@ import cases_tensor_parallel as cases
 import zerofx
 from models import gpt_and_adamw, token_batch, train_step
 
-RUNS = tuple((stage, "plain") for stage in range(4)) + ((3, "blocks"), (3, "P_a"), (3, "P_a+cpu"))
+# stage 3 and its checkpointing variants for 10 steps; stages 0-2 for 4
+RUNS = (*((stage, "plain", 4) for stage in range(3)), *((3, v, 10) for v in ("plain", "blocks", "P_a", "P_a+cpu")))
 TP = 2
 ACTIVATION = 4 * cases.CFG.block_size * cases.CFG.n_embd  # elements of one block input: batch 4 × T × C
 
 
 def test_every_stage_and_p_a_match_fsdp2_with_the_same_tensor_parallel_plan(ranks4):
-    """Stages 0-3, and stage 3 with checkpointed blocks, P_a and P_a+cpu: 10 steps, losses and every full parameter
-    equal to FSDP2 (fully_shard over dp) with the same parallelize_module plan, within rtol 1e-5. Measured: P_a keeps
-    1/tp of the checkpoint bytes; P_a+cpu keeps one slice at a time on the device and the rest in the host pool."""
+    """Stages 0-2 (4 steps), stage 3 plain, with checkpointed blocks, P_a and P_a+cpu (10 steps): losses and every
+    full parameter equal to FSDP2 (fully_shard over dp) with the same parallelize_module plan, within rtol 1e-5.
+    Measured: P_a keeps 1/tp of the checkpoint bytes; P_a+cpu keeps one slice at a time on the device and the rest
+    in the host pool."""
     runs = ranks4.run(cases.stages_match_fsdp2, runs=RUNS, timeout=600)
     for rank_runs in runs:
         assert len(rank_runs) == len(RUNS)
