@@ -85,21 +85,32 @@ class GraphSnapshot:
     pass of every trace."""
     root: fx.GraphModule
     graph: fx.Graph
+    structure: tuple  # what the copy was taken of (see `_structure`)
     _module: fx.GraphModule | None = None
 
     @classmethod
-    def of(cls, gm: fx.GraphModule) -> "GraphSnapshot":
+    def of(cls, gm: fx.GraphModule, previous: "GraphSnapshot | None" = None) -> "GraphSnapshot":
+        """A copy of ``gm``'s graph; ``previous`` itself when the pass in between left the graph as it was."""
+        structure = _structure(gm.graph)
+        if previous is not None and previous.structure == structure:
+            return previous
         graph = fx.Graph()
         graph._codegen = gm.graph._codegen
         graph.output(graph.graph_copy(gm.graph, {}))
         for old, new in zip(gm.graph.nodes, graph.nodes):
             new.meta = dict(old.meta)  # the output node too: it carries the output slots
-        return cls(gm, graph)
+        return cls(gm, graph, structure)
 
     def module(self) -> fx.GraphModule:
         if self._module is None:
             self._module = fx.GraphModule(self.root, self.graph)
         return self._module
+
+
+def _structure(graph: fx.Graph) -> tuple:
+    """The graph's nodes, each with its target and arguments: an equal structure means no node was added, removed,
+    retargeted or rewired (metadata alone may differ)."""
+    return tuple((node, node.target, node.args, node.kwargs) for node in graph.nodes)
 
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
@@ -123,7 +134,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
         dump.write(dump_dir, 0, "capture", captured.gm)
 
     def after_each(index: int, name: str, gm: fx.GraphModule) -> None:
-        snapshots[name] = GraphSnapshot.of(gm)
+        snapshots[name] = GraphSnapshot.of(gm, previous=snapshots[next(reversed(snapshots))])
         if dump_dir:
             dump.write(dump_dir, index, name, gm)
 
