@@ -12,7 +12,7 @@ EXAMPLE_GPT = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_emb
 
 
 RUNS = [(0, "fp32", None), (1, "fp32", None), (2, "fp32", None), (3, "fp32", None), (3, "fp32", "blocks"),
-        (1, "bf16", "blocks")]
+        (1, "bf16", "blocks")]  # stages 0-3 once, checkpointing and bf16 where they change the graph most
 
 
 def _train(rank, stage, precision, checkpoint, memory_plan, steps=2):
