@@ -99,17 +99,19 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
                     left: Counter) -> list[Lifetime]:
     """The arena is held all step, the buffers left to the allocator come and go: planned, the step holds the
     arena's size plus the most those others hold at once, which exceeds the unplanned peak whenever the planned
-    buffers are busiest at another time. Leave to the allocator, largest first, planned buffers alive where the
-    planned ones peak but not where the others do, until the planned peak is where the others peak."""
+    buffers are busiest at another time, or the arena has gaps. Leave to the allocator, largest first, planned
+    buffers not alive where the others peak (and, while the planned ones peak elsewhere, alive where they do),
+    until the arena fits in what the planned buffers hold where the others peak."""
     chosen = sorted(chosen, key=lambda spans: -sum(s.nbytes for s in spans))
-    while chosen:
+    for _ in range(len(chosen)):
         planned, rest = _live(chosen, length), _live([[s] for s in others], length)
         at_rest_peak = int(rest.argmax())
-        if planned.max() <= planned[at_rest_peak]:
+        room = planned[at_rest_peak]
+        at_planned_peak = int(planned.argmax()) if planned.max() > room else None
+        if at_planned_peak is None and _arena_bytes(chosen) <= room:
             break
-        at_planned_peak = int(planned.argmax())
         index = next((i for i, spans in enumerate(chosen)
-                      if any(s.start <= at_planned_peak < s.end for s in spans)
+                      if (at_planned_peak is None or any(s.start <= at_planned_peak < s.end for s in spans))
                       and not any(s.start <= at_rest_peak < s.end for s in spans)), None)
         if index is None:
             break
@@ -117,6 +119,11 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
         others += moved
         left["held where the planned buffers peak"] += sum(s.nbytes for s in moved)
     return [s for spans in chosen for s in spans]
+
+
+def _arena_bytes(chosen: list[list[Lifetime]]) -> int:
+    return plan([s.block() for spans in chosen for s in spans], alignment=ALIGNMENT,
+                heuristics=HEURISTICS).arena_bytes
 
 
 def _live(groups: list[list[Lifetime]], length: int) -> np.ndarray:
