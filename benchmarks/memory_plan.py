@@ -28,19 +28,13 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int) -> di
 
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     import zerofx
+    from gpu_smoke import train_step  # the loop as it is usually written
     from nanogpt import GPT, GPTConfig, param_groups
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
     model = GPT(cfg)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
-
-    def train_step(model, optimizer, x, y):
-        optimizer.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        return loss
 
     step = zerofx.compile(train_step, stage=stage, memory_plan=planned, checkpoint=checkpoint)
     g = torch.Generator().manual_seed(0)

@@ -171,7 +171,6 @@ class CompiledStep:
         self._args = tuple(a if i in taken else None for i, a in enumerate(args))  # not the batch: it would live on
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
-        self._specs.record(binding, args, self.config.mesh)
         world_size, rank, group_name = self._dp.size, self._dp.rank, self._dp.group_name
         key = guards.step_key(binding, args, self._owned_parts, bool(self._reads_incoming_grads))
         frozen = guards.freeze(key)
@@ -240,6 +239,7 @@ class CompiledStep:
     def _build(self, binding, args, key, world_size, group_name) -> tuple[runtime.CompiledGraph, dict]:
         """A new graph for ``key``, cached; the key it is cached under (with the gradients' presence once the
         step is known to read incoming gradients)."""
+        self._specs.record(binding, args, self.config.mesh)  # before the step takes (and releases) what they describe
         if self._last_key is not None:
             log.warning("zerofx: re-tracing %s because %s", self._name,
                         guards.describe_change(self._last_key, key))
