@@ -11,6 +11,7 @@ several tensors, ops without an ``out=`` variant, strided outputs) is counted by
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -68,13 +69,14 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
+@dataclass(frozen=True)
 class PlannedMemory:
     """What `plan_memory` placed in the arena, and what it left to the allocator (bytes by reason)."""
-
-    def __init__(self, buffers: int, planned_bytes: int, arena_bytes: int, lower_bound_bytes: int,
-                 left: dict[str, int]):
-        self.buffers, self.planned_bytes, self.arena_bytes = buffers, planned_bytes, arena_bytes
-        self.lower_bound_bytes, self.left = lower_bound_bytes, left
+    buffers: int
+    planned_bytes: int
+    arena_bytes: int
+    lower_bound_bytes: int
+    left: dict[str, int]
 
 
 def _why_not(node: fx.Node, spans: list[Lifetime], end_of_step: int) -> str | None:

@@ -163,12 +163,7 @@ def peak_live(spans: list[Lifetime]) -> tuple[int, int]:
 class StepMemoryPlan:
     """The step's own buffers (not its inputs, which exist before and after it) placed in one arena."""
     spans: list[Lifetime]  # every buffer, inputs included
-    planned: list[Lifetime]  # the step's own buffers, on the step's device
-    plan: Plan
-
-    @property
-    def fragmentation(self) -> float:
-        return self.plan.ratio - 1.0
+    plan: Plan  # of the step's own buffers on the step's device
 
     def largest_at_peak(self, most: int = 5) -> list[Lifetime]:
         """The largest buffers alive when the most bytes are (inputs included)."""
@@ -188,5 +183,4 @@ def plan_step(graph: fx.Graph, alignment: int = 64) -> StepMemoryPlan:
     device = step_device(spans)
     planned = [s for s in spans if not s.is_input and s.device == device]  # host copies stay apart
     # a step has hundreds of buffers, not thousands: every heuristic is affordable
-    return StepMemoryPlan(spans, planned, plan([s.block() for s in planned], alignment=alignment,
-                                               heuristics=HEURISTICS))
+    return StepMemoryPlan(spans, plan([s.block() for s in planned], alignment=alignment, heuristics=HEURISTICS))
