@@ -17,12 +17,14 @@ from zerofx.passes.partition_checkpoints import partition_checkpoints
 from zerofx.passes.plan_memory import plan_memory
 from zerofx.passes.recompute_pointwise import recompute_pointwise
 from zerofx.passes.context import PassContext
+from zerofx.passes.fold_aliases import fold_aliases
 from zerofx.passes.allgather_params import allgather_params
 from zerofx.passes.gather_params import gather_params
 from zerofx.passes.global_grad_norm import global_grad_norm
 from zerofx.passes.propagate_shard_shapes import propagate_shard_shapes
 from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
+from zerofx.passes.schedule_collectives import schedule_collectives
 from zerofx.passes.shard_optimizer_state import shard_optimizer_state
 from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 
@@ -33,13 +35,13 @@ _EVERY_STAGE: tuple[Pass, ...] = (remove_profiler_ops, checkpoint_activations, p
                                   offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers)
 
 _STAGES: dict[int, tuple[Pass, ...]] = {
-    0: (*_EVERY_STAGE, bucket_allreduce, plan_memory),
+    0: (*_EVERY_STAGE, bucket_allreduce, fold_aliases, schedule_collectives, plan_memory),
     1: (*_EVERY_STAGE, shard_optimizer_state, reduce_scatter_grads, global_grad_norm, allgather_params,
-        propagate_shard_shapes, plan_memory),
+        propagate_shard_shapes, fold_aliases, schedule_collectives, plan_memory),
     2: (*_EVERY_STAGE, shard_optimizer_state, reduce_scatter_grads, global_grad_norm, allgather_params,
-        propagate_shard_shapes, plan_memory),
+        propagate_shard_shapes, fold_aliases, schedule_collectives, plan_memory),
     3: (*_EVERY_STAGE, shard_optimizer_state, gather_params, cast_params_at_gather, reduce_scatter_grads,
-        global_grad_norm, propagate_shard_shapes, plan_memory),
+        global_grad_norm, propagate_shard_shapes, fold_aliases, schedule_collectives, plan_memory),
 }
 
 

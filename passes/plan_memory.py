@@ -4,7 +4,8 @@ From the final graph's lifetimes (`zerofx.memory.lifetimes`), each buffer an ATe
 tensor, not returned by the step, not the step's input) is planned, when the op has an ``out=`` variant: the op then
 writes into its slot of the arena, a view at the planned offset. Buffers alive at the same time never share a byte
 (`zerofx.memory.plan`), so long- and short-lived tensors never interleave in an allocator's free lists, and a step asks
-the allocator only for what is not planned. What is left to the allocator (collectives' results, ops returning
+the allocator only for what is not planned. The arena is one joint plan or one pool per lifetime class, whichever is
+smaller (`zerofx.memory.pools`). What is left to the allocator (collectives' results, ops returning
 several tensors, ops without an ``out=`` variant, strided outputs) is counted by class in the report.
 """
 
@@ -13,12 +14,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.fx as fx
 
-from zerofx.memory.lifetimes import Lifetime, lifetimes, step_device
-from zerofx.memory.planner import HEURISTICS, plan
+from zerofx.memory.lifetimes import Lifetime, lifetimes, live_bytes, step_device
+from zerofx.memory.pools import place
 from zerofx.passes.context import PassContext
 from zerofx.passes.graph_edit import add_call, fake_mode_of
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot
@@ -53,8 +53,7 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     chosen = _fit_under_peak(chosen, others, len(nodes), left)
     if not chosen:
         return gm
-    # heuristics only, no time-limited search: the plan, and so the graph, is the same on every rank
-    placed = plan([s.block() for s in chosen], alignment=ALIGNMENT, heuristics=HEURISTICS)
+    placed = place(chosen, ALIGNMENT)  # heuristics only: the plan, and so the graph, is the same on every rank
     arena = _arena_placeholder(graph, placed.arena_bytes, chosen[0].device)
     offsets: dict[str, list[int]] = {}
     for span, offset in zip(chosen, placed.offsets):
@@ -63,7 +62,8 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         _write_into_slots(graph, nodes[name], arena, node_offsets)
     ctx.artifacts["arena_bytes"] = placed.arena_bytes
     ctx.artifacts["memory_plan"] = PlannedMemory(len(chosen), sum(s.nbytes for s in chosen), placed.arena_bytes,
-                                                 placed.lower_bound_bytes, dict(left))
+                                                 placed.lower_bound_bytes, dict(left), placed.layout,
+                                                 placed.arena_bytes_by_layout)
     graph.lint()
     gm.recompile()
     return gm
@@ -77,6 +77,8 @@ class PlannedMemory:
     arena_bytes: int
     lower_bound_bytes: int
     left: dict[str, int]
+    layout: str  # one joint plan, or one pool per lifetime class (`zerofx.memory.pools`): the smaller
+    arena_bytes_by_layout: dict[str, int]
 
 
 def _why_not(node: fx.Node, spans: list[Lifetime], end_of_step: int) -> str | None:
@@ -106,7 +108,7 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
     until the arena fits in what the planned buffers hold where the others peak."""
     chosen = sorted(chosen, key=lambda spans: -sum(s.nbytes for s in spans))
     for _ in range(len(chosen)):
-        planned, rest = _live(chosen, length), _live([[s] for s in others], length)
+        planned, rest = live_bytes([s for spans in chosen for s in spans], length), live_bytes(others, length)
         at_rest_peak = int(rest.argmax())
         room = planned[at_rest_peak]
         at_planned_peak = int(planned.argmax()) if planned.max() > room else None
@@ -124,18 +126,7 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
 
 
 def _arena_bytes(chosen: list[list[Lifetime]]) -> int:
-    return plan([s.block() for spans in chosen for s in spans], alignment=ALIGNMENT,
-                heuristics=HEURISTICS).arena_bytes
-
-
-def _live(groups: list[list[Lifetime]], length: int) -> np.ndarray:
-    """Bytes alive at each position."""
-    delta = np.zeros(length + 1, dtype=np.int64)
-    for spans in groups:
-        for s in spans:
-            delta[s.start] += s.nbytes
-            delta[s.end] -= s.nbytes
-    return np.cumsum(delta)[:length]
+    return place([s for spans in chosen for s in spans], ALIGNMENT).arena_bytes
 
 
 def _outputs(node: fx.Node) -> list:

@@ -45,5 +45,6 @@ def planned_is_bitwise_unplanned(rank, world_size, runs=RUNS):
         out[name] = {"unplanned_peak": stats.peak_bytes, "planned_peak": planned.stats().peak_bytes,
                      "buffers": placed.buffers, "arena": placed.arena_bytes, "lower_bound": placed.lower_bound_bytes,
                      "left": placed.left, "fragmentation": stats.fragmentation, "predicted_peak": predicted,
-                     "largest": stats.largest_at_peak}
+                     "largest": stats.largest_at_peak, "arena_bytes": stats.arena_bytes,
+                     "by_layout": stats.arena_bytes_by_layout}
     return out

@@ -11,7 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import torch
 from zerofx.memory import HEURISTICS, Block, plan, read_csv, write_csv
+from zerofx.memory.lifetimes import Lifetime
+from zerofx.memory.pools import BY_CLASS, JOINT, place
 
 DATA = Path(__file__).parent / "data"
 
@@ -68,6 +71,34 @@ def test_plan_is_valid_and_deterministic(blocks, alignment, heuristic):
     assert plan(blocks, alignment=alignment, heuristics=[heuristic]) == result
     assert plan(np.array(blocks, dtype=np.int64).reshape(-1, 3), alignment, heuristics=[heuristic]) == result
     assert plan([Block(*b, id=str(i)) for i, b in enumerate(blocks)], alignment, heuristics=[heuristic]) == result
+
+
+def _lifetimes_of(blocks, classes):
+    device = torch.device("cpu")
+    return [Lifetime(f"b{i}", None, size, start, end, category, device, False)
+            for i, ((size, start, end), category) in enumerate(zip(blocks, classes))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lifetimes.flatmap(lambda b: st.tuples(st.just(b), st.lists(st.sampled_from(["activations", "grads", "comm"]),
+                                                                   min_size=len(b), max_size=len(b)))),
+       st.sampled_from([None, BY_CLASS]))
+def test_pools_by_class_keep_each_class_apart_and_the_smaller_layout_wins(blocks_and_classes, layout):
+    """Pooled, each class's blocks lie in its own pool and the pools do not overlap; either way blocks alive together
+    share no byte; unforced, the arena is the smaller of the two layouts, both reported."""
+    blocks, classes = blocks_and_classes
+    placed = place(_lifetimes_of(blocks, classes), 64, layout)
+    assert_valid(blocks, placed, 64)
+    assert set(placed.arena_bytes_by_layout) == {JOINT, BY_CLASS}
+    if layout is None:
+        assert placed.arena_bytes == min(placed.arena_bytes_by_layout.values())
+        return
+    assert placed.layout == BY_CLASS and placed.arena_bytes == placed.arena_bytes_by_layout[BY_CLASS]
+    pools = sorted(placed.pools.values())
+    assert all(a + size <= b for (a, size), (b, _) in zip(pools, pools[1:]))
+    for offset, (size, start, end), category in zip(placed.offsets, blocks, classes):
+        low, pool_bytes = placed.pools[category]
+        assert size == 0 or end <= start or low <= offset and offset + aligned(size, 64) <= low + pool_bytes
 
 
 @settings(max_examples=40, deadline=None)

@@ -27,10 +27,56 @@ def test_pipeline_lists_its_passes():
     text = str(pipeline(0))
     names = ["remove_profiler_ops", "checkpoint_activations", "partition_checkpoints", "offload_checkpoints",
              "recompute_pointwise",
-             "skip_nonfinite_update", "broadcast_buffers", "bucket_allreduce", "plan_memory"]
+             "skip_nonfinite_update", "broadcast_buffers", "bucket_allreduce", "fold_aliases", "schedule_collectives",
+             "plan_memory"]
     assert [p.__name__ for p in pipeline(0).passes] == names
     for name in names:
         assert name in text
+
+
+def test_fold_aliases_drops_detach_and_double_transposes_and_computes_the_same_step():
+    """The captured GPT step has both kinds; folded, it has neither and its outputs (losses, updated state) are
+    bitwise those of the graph as captured, on the same inputs."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from zerofx.passes.fold_aliases import fold_aliases
+
+    gm = _captured()
+
+    def double_transposes(g):
+        return [n for n in g.graph.nodes if n.target is torch.ops.aten.t.default
+                and getattr(n.args[0], "target", None) is torch.ops.aten.t.default]
+
+    assert _calls(gm, torch.ops.aten.detach.default) and double_transposes(gm)
+    inputs = [_stand_in(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
+    with unset_fake_temporarily():
+        want = gm(*_copies(inputs))
+        ctx = _ctx()
+        folded = fold_aliases(gm, ctx)
+        got = folded(*_copies(inputs))
+    assert not _calls(folded, torch.ops.aten.detach.default) and not double_transposes(folded)
+    assert ctx.artifacts["aliases_folded"] > 0
+    for a, b in zip(want, got):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def _stand_in(val):
+    """A real value for a placeholder: uniform floats, zero integers, 0.01 for a scalar hyperparameter."""
+    if isinstance(val, torch.SymFloat):
+        return 0.01
+    if not isinstance(val, torch.Tensor):
+        return 1
+    if val.is_floating_point():
+        return torch.rand(val.shape).to(val.dtype)
+    return torch.zeros(val.shape, dtype=val.dtype)
+
+
+def _copies(values):
+    return [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _calls(gm, target):
+    return [n for n in gm.graph.nodes if n.target is target]
 
 
 def test_remove_profiler_ops_leaves_no_markers():

@@ -1,5 +1,7 @@
 """The stage 1-3 passes on captured graphs, without a process group: placement, liveness, bucket sizes."""
 
+import copy
+
 import pytest
 import torch
 
@@ -9,17 +11,24 @@ from nanogpt import GPTConfig
 from zerofx import collectives
 from zerofx.binding import StepBinding
 from zerofx.capture import capture
+from zerofx.memory.lifetimes import lifetimes, peak_live
 from zerofx.passes import PassContext, pipeline
+from zerofx.passes.pipeline import Pipeline
+from zerofx.passes.schedule_collectives import schedule_collectives
 from zerofx.report import paper_table
 from zerofx.step_graph import Phase, Role, StepGraph, tag
+from zerofx.units import unit_of_params
 
 
-def _compiled(stage, world_size=4, bucket_bytes=16 * 1024, cfg=None, **ctx_kwargs):
+def _compiled(stage, world_size=4, bucket_bytes=16 * 1024, cfg=None, scheduled=True, **ctx_kwargs):
+    """The stage's pipeline on a captured step; ``scheduled=False`` leaves out `schedule_collectives`, to see where
+    the other passes put collectives."""
     model, opt = gpt_and_adamw(cfg=cfg or TINY_GPT)
     args = (model, opt, *token_batch(0, 0, cfg=cfg or TINY_GPT))
     gm = capture(train_step, StepBinding.from_args(args), args).gm
     ctx = PassContext(stage, world_size, "test", bucket_bytes, **ctx_kwargs)
-    return pipeline(stage).run(gm, ctx), ctx
+    passes = tuple(p for p in pipeline(stage).passes if scheduled or p is not schedule_collectives)
+    return Pipeline(stage, passes).run(gm, ctx), ctx
 
 
 def _calls(gm, fn):
@@ -45,7 +54,7 @@ def test_stage1_keeps_full_gradients_until_backward_ends_and_stage2_does_not():
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_stage3_gathered_buckets_live_only_from_prefetch_to_last_use(prefetch):
-    gm, ctx = _compiled(3, prefetch=prefetch)
+    gm, ctx = _compiled(3, prefetch=prefetch, scheduled=False)
     sg = StepGraph(gm)
     for phase in (Phase.FORWARD, Phase.BACKWARD):
         gathers = [n for n in _calls(gm, collectives.all_gather_coalesced) if tag(n).phase == phase]
@@ -177,3 +186,28 @@ def test_report_shows_measured_next_to_formula():
     assert total_row.split() == ["model", "states", "total", f"{measured:,}", "K*Psi/N_d", "+", "Psi*b_p", "+",
                                  "Psi*b_g/N_d", f"{formula:,.0f}"]
     assert "communication" in text
+
+
+def test_collectives_in_flight_move_off_the_peak():
+    """Stage 3 by blocks on 4 ranks, blocks checkpointed: before `schedule_collectives` the packed gradients of a
+    reduce-scatter in flight are alive at the step's peak (a block's recomputed MLP backward); after it they are not,
+    the peak (by lifetimes) falls by at least their bytes, and every node still follows its inputs."""
+    cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=3, n_head=4, n_embd=128)
+    model, opt = gpt_and_adamw(cfg=cfg)
+    args = (model, opt, *token_batch(0, 0, batch=8, cfg=cfg))
+    binding = StepBinding.from_args(args)
+    units = unit_of_params(binding.modules(args), binding.module_prefixes, binding.param_aliases, "blocks")
+    captured = capture(train_step, binding, args, checkpoint="blocks").gm
+    spans, peaks = {}, {}
+    for scheduled in (False, True):
+        passes = tuple(p for p in pipeline(3).passes if scheduled or p is not schedule_collectives)
+        ctx = PassContext(3, 4, "test", 2**20, units=units)
+        gm = Pipeline(3, passes).run(copy.deepcopy(captured), ctx)
+        gm.graph.lint()
+        spans[scheduled] = lifetimes(gm.graph)
+        peaks[scheduled] = peak_live(spans[scheduled])
+    assert ctx.artifacts["collectives_moved"] > 0
+    in_flight = {s: [span for span in spans[s] if span.category == "comm_buffers"
+                     and span.start <= peaks[s][1] < span.end] for s in (False, True)}
+    assert in_flight[False] and not in_flight[True]
+    assert peaks[True][0] <= peaks[False][0] - min(span.nbytes for span in in_flight[False])

@@ -49,7 +49,8 @@ class StepStats:
     activation_comm_volume: float = 0.0
     # M_D, from the final graph's lifetimes: the step's own buffers (not its inputs) in one planned arena
     lower_bound_bytes: int = 0  # the most bytes they hold at once: no placement needs less
-    arena_bytes: int = 0  # the planned arena
+    arena_bytes: int = 0  # the planned arena: the smaller of one joint plan and one pool per lifetime class
+    arena_bytes_by_layout: dict[str, int] = field(default_factory=dict)  # both ("joint", "pools by class")
     largest_at_peak: list[tuple[str, str, int]] = field(default_factory=list)  # (buffer, class, bytes), inputs too
 
     @property
@@ -126,7 +127,8 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
                      probe.high_water.get("offloaded", 0) if probe else None,
                      _tp_volume(compiled.gm.graph, compiled.ctx),
                      ring_volume([r for r in records if r.purpose == "activations"]),
-                     memory.plan.lower_bound_bytes, memory.plan.arena_bytes,
+                     memory.placement.lower_bound_bytes, memory.placement.arena_bytes,
+                     memory.placement.arena_bytes_by_layout,
                      [(s.name, s.category, s.nbytes) for s in memory.largest_at_peak()])
 
 

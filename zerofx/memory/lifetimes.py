@@ -17,11 +17,13 @@ import inspect
 import operator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.fx as fx
 
 from zerofx import collectives
-from zerofx.memory.planner import HEURISTICS, Block, Plan, plan
+from zerofx.memory.planner import Block
+from zerofx.memory.pools import Placement, place
 from zerofx.memory.tracking import category_of
 from zerofx.step_graph import aliases_first_arg
 
@@ -145,6 +147,15 @@ def _written_arguments(node: fx.Node) -> list[fx.Node]:
     return [w for w in written if isinstance(w, fx.Node)]
 
 
+def live_bytes(spans: list[Lifetime], length: int) -> np.ndarray:
+    """Bytes alive at each of ``length`` positions."""
+    delta = np.zeros(length + 1, dtype=np.int64)
+    for s in spans:
+        delta[s.start] += s.nbytes
+        delta[s.end] -= s.nbytes
+    return np.cumsum(delta)[:length]
+
+
 def peak_live(spans: list[Lifetime]) -> tuple[int, int]:
     """(the most bytes alive at once, the first position where they are)."""
     events: dict[int, int] = {}
@@ -163,7 +174,7 @@ def peak_live(spans: list[Lifetime]) -> tuple[int, int]:
 class StepMemoryPlan:
     """The step's own buffers (not its inputs, which exist before and after it) placed in one arena."""
     spans: list[Lifetime]  # every buffer, inputs included
-    plan: Plan  # of the step's own buffers on the step's device
+    placement: Placement  # of the step's own buffers on the step's device, jointly or pooled by class
 
     def largest_at_peak(self, most: int = 5) -> list[Lifetime]:
         """The largest buffers alive when the most bytes are (inputs included)."""
@@ -182,5 +193,4 @@ def plan_step(graph: fx.Graph, alignment: int = 64) -> StepMemoryPlan:
     spans = lifetimes(graph)
     device = step_device(spans)
     planned = [s for s in spans if not s.is_input and s.device == device]  # host copies stay apart
-    # a step has hundreds of buffers, not thousands: every heuristic is affordable
-    return StepMemoryPlan(spans, plan([s.block() for s in planned], alignment=alignment, heuristics=HEURISTICS))
+    return StepMemoryPlan(spans, place(planned, alignment))

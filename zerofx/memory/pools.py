@@ -1,0 +1,43 @@
+"""A step's buffers in one arena, laid out two ways: one joint plan over all of them, or one pool per lifetime class
+(activations, gradients, communication buffers, ...) side by side, so that long- and short-lived classes never share
+bytes. The smaller arena is kept; both sizes are reported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerofx.memory.planner import HEURISTICS, plan
+
+JOINT = "joint"
+BY_CLASS = "pools by class"
+
+
+@dataclass(frozen=True)
+class Placement:
+    layout: str  # JOINT or BY_CLASS
+    offsets: tuple[int, ...]  # per buffer, in the order given
+    arena_bytes: int
+    lower_bound_bytes: int  # the most bytes alive at once (aligned): no layout needs less
+    arena_bytes_by_layout: dict[str, int]  # JOINT and BY_CLASS
+    pools: dict[str, tuple[int, int]]  # with BY_CLASS: class -> (offset, bytes) of its pool; else empty
+
+
+def place(spans: list, alignment: int = 64, layout: str | None = None) -> Placement:
+    """Offsets for ``spans`` (`zerofx.memory.lifetimes.Lifetime`), jointly or pooled by ``category``: the smaller
+    arena (the joint one on a tie), or the ``layout`` named. Deterministic: the heuristics only, no time-limited
+    search."""
+    if layout not in (None, JOINT, BY_CLASS):
+        raise ValueError(f"layout must be None, {JOINT!r} or {BY_CLASS!r}, got {layout!r}")
+    joint = plan([s.block() for s in spans], alignment=alignment, heuristics=HEURISTICS)
+    offsets, pools, base = [0] * len(spans), {}, 0
+    for category in sorted({s.category for s in spans}):
+        members = [i for i, s in enumerate(spans) if s.category == category]
+        pool = plan([spans[i].block() for i in members], alignment=alignment, heuristics=HEURISTICS)
+        for i, offset in zip(members, pool.offsets):
+            offsets[i] = base + offset
+        pools[category] = (base, pool.arena_bytes)
+        base += pool.arena_bytes  # a multiple of the alignment: sizes are rounded up to it
+    sizes = {JOINT: joint.arena_bytes, BY_CLASS: base}
+    if layout == BY_CLASS or layout is None and base < joint.arena_bytes:
+        return Placement(BY_CLASS, tuple(offsets), base, joint.lower_bound_bytes, sizes, pools)
+    return Placement(JOINT, joint.offsets, joint.arena_bytes, joint.lower_bound_bytes, sizes, {})
