@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
+from zerofx import collectives
 from cases_loops import _zero_grad_last, assert_matches_ddp
 from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
 from nanogpt import GPT, param_groups
@@ -34,33 +35,45 @@ def _train_beside_ddp(model, opt, ref_model, ref_opt, loop, rank, steps, first=0
     return losses
 
 
-def against_ddp(rank, world_size, stage, steps=10):
-    """Each loop style, ``steps`` steps beside DDP: losses, then parameters and optimizer state."""
+def beside_ddp_and_whole_step(rank, world_size, stage, dump_dir, steps=10):
+    """Each loop style, ``steps`` steps beside DDP (losses, then parameters and optimizer state: the first
+    difference is returned); in the last, the
+    step's collectives beside a whole step's, the backend's graphs dumped to ``dump_dir``. The whole step leaves
+    recomputation to AOTAutograd's partitioner as the backend does (no ``recompute_pointwise``): what backward
+    recomputes decides which parameters it gathers when, at stage 3."""
+    mismatch = None
     for name, loop in LOOPS.items():
         ref_model, ref_opt = gpt_and_adamw()
-        model, opt = _compiled(*gpt_and_adamw(seed=rank), stage)  # prepare broadcasts rank 0's parameters
-        _train_beside_ddp(model, opt, ref_model, ref_opt, loop, rank, steps)
-        assert_matches_ddp(zerofx.prepared(model), ref_model, ref_opt)
-    return True
+        model, opt = _compiled(*gpt_and_adamw(seed=rank), stage, dump_dir=dump_dir)  # prepare broadcasts rank 0's
+        try:
+            _train_beside_ddp(model, opt, ref_model, ref_opt, loop, rank, steps)
+            assert_matches_ddp(zerofx.prepared(model), ref_model, ref_opt)
+        except AssertionError as e:
+            mismatch = mismatch or f"{name}: {e}"
+    step = zerofx.compile(train_step, stage=stage, recompute_pointwise=False)
+    whole_model, whole_opt = gpt_and_adamw()
+    step(whole_model, whole_opt, *token_batch(0, rank))
+    prepared = zerofx.prepared(model)
+    ours, theirs = prepared.stats(), step.stats()
+    return {"ddp_mismatch": mismatch, "backend": _records(ours.collectives),
+            "whole_step": _records(theirs.collectives), "volumes": (ours.comm_volume, theirs.comm_volume),
+            "saved_gathered": _gathered_outputs(prepared.graphs["region0.forward"])}
 
 
 def _records(records):
     return [(r.kind, r.numel, r.dtype, r.purpose) for r in records if r.purpose != "control"]
 
 
-def records_beside_whole_step(rank, world_size, stage, bucket_bytes, dump_dir):
-    """The collectives of one step through the backend and through ``zerofx.compile`` (rank agreement aside); the
-    backend's graphs dumped to ``dump_dir``."""
-    model, opt = _compiled(*gpt_and_adamw(), stage, bucket_bytes=bucket_bytes, dump_dir=dump_dir)
-    step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes)
-    whole_model, whole_opt = gpt_and_adamw()
-    for i in range(2):
-        x, y = token_batch(i, rank)
-        train_step(model, opt, x, y)
-        step(whole_model, whole_opt, x, y)
-    ours, theirs = zerofx.prepared(model).stats(), step.stats()
-    return {"backend": _records(ours.collectives), "whole_step": _records(theirs.collectives),
-            "volumes": (ours.comm_volume, theirs.comm_volume)}
+def _gathered_outputs(forward) -> int:
+    """How many of a forward graph's outputs (what it saves for backward) are a gathered parameter or a view of one."""
+    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    count = 0
+    for value in output.args[0]:
+        while isinstance(value, torch.fx.Node) and isinstance(value.target, torch._ops.OpOverload) \
+                and value.target.is_view:
+            value = value.args[0]
+        count += isinstance(value, torch.fx.Node) and value.target is collectives.wait
+    return count
 
 
 class GraphBreakGPT(GPT):

@@ -2,10 +2,13 @@
 
 Dynamo hands the backend each region it captured from the model's forward (one per graph break); AOTAutograd splits
 it into a forward and a backward graph. Both are tagged as a captured step's nodes are (`aot_graphs`) and put
-through the stage's pipeline, the same ``zerofx.passes.pipeline(stage)`` the whole-step path runs: a pass finds the
-nodes it works on by their tags, so on a forward graph the gradient passes find no gradient and change nothing, and
-on a backward graph ``broadcast_buffers`` finds no buffer. The graphs stay FX GraphModules (no Inductor); every
-collective they issue is recorded for the `Prepared` model's ``stats()``.
+through the stage's pipeline, the same ``zerofx.passes.pipeline(stage)`` the whole-step path runs, less the passes
+that edit the optimizer's update (`UPDATE_PASSES`): ``optimizer.step()`` runs eagerly, outside these graphs, on the
+shards `zerofx.backend.shards` gives it. A pass finds the nodes it works on by their tags, so on a forward graph the
+gradient passes find no gradient and change nothing, and on a backward graph ``broadcast_buffers`` finds no buffer.
+From stage 1 on the backward's gradients leave it as this rank's shards, which go to the optimizer's shards rather
+than to autograd (which would refuse their shape); at stage 3 each graph runs on the parameters' shards. The graphs
+stay FX GraphModules (no Inductor); every collective they issue is recorded for the `Prepared` model's ``stats()``.
 """
 
 from __future__ import annotations
@@ -15,15 +18,26 @@ import os
 
 import torch.distributed as dist
 import torch.fx as fx
-from functorch.compile import make_boxed_func
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 
 from zerofx import collectives, dump
 from zerofx.api import UNSHARDED_BUCKET_BYTES
-from zerofx.backend.aot_graphs import tag_backward, tag_forward
+from zerofx.backend.aot_graphs import (hand_shards_to_backward, hold_shards, partition_recomputing_param_views,
+                                       recompute_views_where_read, tag_backward, tag_forward)
 from zerofx.backend.prepared import Prepared, owner_of
-from zerofx.passes import PassContext, pipeline
+from zerofx.passes import PassContext, Pipeline, allgather_params, pipeline, shard_optimizer_state
 from zerofx.step_graph import Role
+
+# The passes that edit the optimizer's update, which AOTAutograd's graphs do not hold: ``shard_optimizer_state``'s
+# work on the state is done once by ``zerofx.prepare`` (`zerofx.backend.shards`), ``allgather_params`` runs on a graph
+# of the eager update after each ``optimizer.step()`` (`zerofx.backend.update_graph`).
+UPDATE_PASSES = (shard_optimizer_state, allgather_params)
+
+
+def graph_pipeline(stage: int) -> Pipeline:
+    """The passes the backend runs on a forward or backward graph: the stage's pipeline without `UPDATE_PASSES`."""
+    return Pipeline(stage, tuple(p for p in pipeline(stage).passes if p not in UPDATE_PASSES))
 
 
 class Backend:
@@ -47,21 +61,69 @@ class Backend:
         slots = [owner.slot_of(x) for x in example_inputs]
         region = f"region{next(self._regions)}"
         params = [i for i, slot in enumerate(slots) if slot is not None and slot.role == Role.PARAM]
+        sharded = [i for i in params if slots[i].fqn in owner.layouts and self.stage >= 3]  # run on shards
+        compiled_for = {slots[i].fqn for i in params}
+        artifacts, saved_params = {}, {}  # what forward's passes planned, for backward's; forward's shards by name
+
+        def reads(args) -> set[str]:
+            read = {owner.fqn_of(args[i]) for i in params}
+            if self.stage >= 1 and read != compiled_for:
+                raise NotImplementedError(
+                    f"zerofx.backend: a region compiled for parameters {sorted(compiled_for)} runs for "
+                    f"{sorted(read)} (one graph serving several modules of a class); from stage 1 on its backward "
+                    "could not tell whose gradient shards it computes. Compile the whole model, or use stage 0")
+            return read
 
         def compile_forward(fw: fx.GraphModule, _inputs):
-            # the parameters a run reads are the ones its backward averages: a region compiled once may run for
-            # several modules of one class (each block), with other parameters than those it was compiled with
-            return self._compile(owner, f"{region}.forward", tag_forward(fw, slots),
-                                 reads=lambda args: {owner.fqn_of(args[i]) for i in params})
+            fw = tag_forward(fw, slots)
+            handed = {}
+            if self.stage >= 3:
+                saved_params.update(hold_shards(fw, owner.layouts))
+                handed = hand_shards_to_backward(fw, saved_params)
+            run = self._compile(owner, f"{region}.forward", fw, artifacts)
+
+            def forward(args):
+                # the parameters a run reads are the ones its backward averages: a region compiled once may run for
+                # several modules of one class (each block), with other parameters than those it was compiled with
+                read = reads(args)
+                for i in sharded:
+                    args[i] = owner.shards.graph_input(owner.fqn_of(args[i]))
+                shards = {i: args[i] for i in handed.values()}  # before the run: a boxed call clears ``args``
+                out = self._recorded(owner, run, args, read)
+                for out_index, in_index in handed.items():
+                    out[out_index] = shards[in_index]
+                return out
+
+            return _boxed(forward)
 
         def compile_backward(bw: fx.GraphModule, _inputs):
-            return self._compile(owner, f"{region}.backward", tag_backward(bw, slots))
+            bw = tag_backward(bw, slots, saved_params)
+            if self.stage >= 3:
+                recompute_views_where_read(bw, hold_shards(bw, owner.layouts))
+            run = self._compile(owner, f"{region}.backward", bw, dict(artifacts))
 
-        return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_backward)(gm, example_inputs)
+            def backward(args):
+                out = self._recorded(owner, run, args)
+                for i in params:  # from stage 1 on, gradient shards go to the optimizer's shards, not to autograd
+                    if slots[i].fqn in owner.layouts and out[i] is not None:
+                        owner.shards.receive_grad(slots[i].fqn, out[i])
+                        out[i] = None
+                return out
 
-    def _compile(self, owner: Prepared, name: str, gm: fx.GraphModule, reads=lambda args: frozenset()):
+            return _boxed(backward)
+
+        partition = partition_recomputing_param_views(sharded) if sharded else min_cut_rematerialization_partition
+        return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_backward,
+                            partition_fn=partition)(gm, example_inputs)
+
+    def _compile(self, owner: Prepared, name: str, gm: fx.GraphModule, artifacts: dict):
+        """``gm`` through the stage's passes, as a boxed function; ``artifacts``: what an earlier graph of the
+        region planned (forward's gathers for backward), updated with what this one plans."""
+        units = owner.units if self.bucket_bytes is None else None
         ctx = PassContext(self.stage, owner.ranks.size, owner.ranks.group_name,
-                          self.bucket_bytes or UNSHARDED_BUCKET_BYTES)
+                          self.bucket_bytes or UNSHARDED_BUCKET_BYTES, units=units,
+                          artifacts={**artifacts, "layouts": owner.layouts})
+        owner.bucket_bytes = self.bucket_bytes
         dump_dir = self._dump_dir(name)
         if dump_dir:
             dump.write(dump_dir, 0, "aot", gm)
@@ -70,24 +132,28 @@ class Backend:
             if dump_dir:
                 dump.write(dump_dir, index, pass_name, graph)
 
-        gm = pipeline(self.stage).run(gm, ctx, after_each)
+        gm = graph_pipeline(self.stage).run(gm, ctx, after_each)
+        artifacts.update(ctx.artifacts)
         owner.graphs[name] = gm
-        run = make_boxed_func(gm)
+        return make_boxed_func(gm)
 
-        def recorded(args):
-            read = reads(args)  # before the run: a boxed call clears ``args``
-            with collectives.recording() as records:
-                out = run(args)
-            owner.record(records, read)
-            return out
-
-        recorded._boxed_call = True
-        return recorded
+    @staticmethod
+    def _recorded(owner: Prepared, run, args: list, read: set[str] = frozenset()) -> list:
+        with collectives.recording() as records:
+            out = list(run(args))
+        owner.record(records, read)
+        return out
 
     def _dump_dir(self, name: str) -> str | None:
         if not self.dump_dir or (dist.is_initialized() and dist.get_rank() != 0):
             return None  # the graphs are the same on every rank: rank 0 writes them
         return os.path.join(self.dump_dir, *name.split("."))
+
+
+def _boxed(fn):
+    """``fn`` called as AOTAutograd calls a compiled graph: with its arguments in one list, which it may clear."""
+    fn._boxed_call = True
+    return fn
 
 
 def backend(stage: int = 0, *, bucket_bytes: int | None = None, dump_dir: str | None = None) -> Backend:
