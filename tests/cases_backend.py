@@ -37,10 +37,9 @@ def _train_beside_ddp(model, opt, ref_model, ref_opt, loop, rank, steps, first=0
 
 def beside_ddp_and_whole_step(rank, world_size, stage, dump_dir, steps=10):
     """Each loop style, ``steps`` steps beside DDP (losses, then parameters and optimizer state: the first
-    difference is returned); in the last, the
-    step's collectives beside a whole step's, the backend's graphs dumped to ``dump_dir``. The whole step leaves
-    recomputation to AOTAutograd's partitioner as the backend does (no ``recompute_pointwise``): what backward
-    recomputes decides which parameters it gathers when, at stage 3."""
+    difference is returned); the last step's collectives beside a whole step's; the backend's graphs dumped to
+    ``dump_dir``. The whole step leaves recomputation to AOTAutograd's partitioner as the backend does (no
+    ``recompute_pointwise``): what backward recomputes decides which parameters it gathers when, at stage 3."""
     mismatch = None
     for name, loop in LOOPS.items():
         ref_model, ref_opt = gpt_and_adamw()
@@ -129,7 +128,7 @@ def eager_parameters_refused(rank, world_size):
     return None
 
 
-def checkpoint_between_paths(rank, world_size, directory, whole_step_stage, steps=4):
+def checkpoint_between_paths(rank, world_size, directory, backend_stage, whole_step_stage, steps=4):
     """Each way: ``steps`` steps on one path, ``zerofx.checkpoint.save``, a fresh model (another seed) loaded on
     the other path, ``steps`` more; every loss and the final state against DDP training straight through."""
     ref_model, ref_opt = gpt_and_adamw()
@@ -137,7 +136,7 @@ def checkpoint_between_paths(rank, world_size, directory, whole_step_stage, step
     ref_losses = [train_step(ddp, ref_opt, *token_batch(i, rank)).item() for i in range(2 * steps)]
 
     def backend_path(seed):
-        return _compiled(*gpt_and_adamw(seed=seed), stage=0)
+        return _compiled(*gpt_and_adamw(seed=seed), stage=backend_stage)
 
     def whole_step_path(seed):
         model, opt = gpt_and_adamw(seed=seed)

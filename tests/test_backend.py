@@ -53,15 +53,16 @@ def test_parameters_read_outside_every_compiled_region_are_refused_before_the_up
     assert "'wte.weight'" in message and "'ln_f.weight'" in message and "blocks" not in message.split("]")[0]
 
 
-@pytest.mark.parametrize("whole_step_stage", [3])
-def test_checkpoints_move_between_the_backend_and_the_whole_step_path(ranks2, tmp_path, whole_step_stage):
-    """The backend at stage 0 and the whole step at stage 3: the checkpoint layout depends on neither."""
-    losses = ranks2.run(cases.checkpoint_between_paths, directory=str(tmp_path),
+@pytest.mark.parametrize("backend_stage, whole_step_stage", [(0, 3), (3, 1)])
+def test_checkpoints_move_between_the_backend_and_the_whole_step_path(ranks2, tmp_path, backend_stage,
+                                                                      whole_step_stage):
+    """The checkpoint layout depends on neither the path nor the stage: the parameters whole, shards or padded."""
+    losses = ranks2.run(cases.checkpoint_between_paths, directory=str(tmp_path), backend_stage=backend_stage,
                         whole_step_stage=whole_step_stage)[0]
     assert set(losses) == {"backend, then whole step", "whole step, then backend"}
 
 
-@pytest.mark.parametrize("stage", [0])
+@pytest.mark.parametrize("stage", [0, 3])
 def test_hugging_face_llama_through_the_backend_matches_ddp(ranks2, stage):
     regions = ranks2.run(cases.hf_llama_against_ddp, stage=stage)[0]
     assert regions == ["region0.backward", "region0.forward", "region1.backward", "region1.forward"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from functorch.compile import min_cut_rematerialization_partition
+from functorch.compile import default_partition
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerofx.passes.gather_params import PARAM_ONLY_OPS
@@ -118,8 +118,8 @@ def hand_shards_to_backward(gm: fx.GraphModule, held: dict[str, Slot]) -> dict[i
 
 
 def partition_recomputing_param_views(params: list[int]):
-    """A partitioner for AOTAutograd that saves no view of the inputs at positions ``params`` for backward: what is
-    computed from them alone through ops that re-present a tensor is marked ``MUST_RECOMPUTE``."""
+    """AOTAutograd's default partitioner, saving no view of the inputs at positions ``params`` for backward: what
+    is computed from them alone through ops that re-present a tensor is marked ``MUST_RECOMPUTE``."""
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
@@ -128,7 +128,7 @@ def partition_recomputing_param_views(params: list[int]):
             if _re_presents(node, chain):
                 chain.add(node)
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        return default_partition(joint, joint_inputs, **kwargs)
 
     return partition
 

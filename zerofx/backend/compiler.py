@@ -18,7 +18,7 @@ import os
 
 import torch.distributed as dist
 import torch.fx as fx
-from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from zerofx import collectives, dump
@@ -112,9 +112,8 @@ class Backend:
 
             return _boxed(backward)
 
-        partition = partition_recomputing_param_views(sharded) if sharded else min_cut_rematerialization_partition
-        return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_backward,
-                            partition_fn=partition)(gm, example_inputs)
+        partition = {"partition_fn": partition_recomputing_param_views(sharded)} if sharded else {}
+        return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_backward, **partition)(gm, example_inputs)
 
     def _compile(self, owner: Prepared, name: str, gm: fx.GraphModule, artifacts: dict):
         """``gm`` through the stage's passes, as a boxed function; ``artifacts``: what an earlier graph of the
