@@ -88,12 +88,12 @@ class GraphBreakGPT(GPT):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def graph_break_against_ddp(rank, world_size, steps=10):
+def graph_break_against_ddp(rank, world_size, stage, steps=10):
     torch.manual_seed(0)
     model = GraphBreakGPT(TINY_GPT)
     opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=3e-3)
     ref_model, ref_opt = gpt_and_adamw()
-    model, opt = _compiled(model, opt, stage=0)
+    model, opt = _compiled(model, opt, stage=stage)
     losses = _train_beside_ddp(model, opt, ref_model, ref_opt, train_step, rank, steps)
     # the tied embedding's gradient is averaged in two parts, one per region: values that are rounding noise (the
     # attention key's bias, whose gradient is analytically zero and which Adam scales up to lr) differ by about 1e-5

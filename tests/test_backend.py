@@ -42,8 +42,10 @@ def test_stage_3_forward_saves_no_gathered_parameter_for_backward(beside_ddp):
     assert beside_ddp[3]["saved_gathered"] == 0
 
 
-def test_graph_break_between_blocks_gives_ddps_losses_and_is_named(ranks2):
-    result = ranks2.run(cases.graph_break_against_ddp)[0]
+@pytest.mark.parametrize("stage", [0, 3])
+def test_graph_break_between_blocks_gives_ddps_losses_and_is_named(ranks2, stage):
+    """At stage 3 both regions gather the tied embedding, and its two gradient shards add up."""
+    result = ranks2.run(cases.graph_break_against_ddp, stage=stage)[0]
     assert result["graphs"] == ["region0.backward", "region0.forward", "region1.backward", "region1.forward"]
     assert len(result["breaks"]) == 1 and "graph_break" in result["breaks"][0]
 

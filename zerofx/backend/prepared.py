@@ -11,6 +11,7 @@ the sharded state (`zerofx.backend.shards`).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -123,8 +124,10 @@ class Prepared:
     def graph_breaks(self, *args, **kwargs) -> list[str]:
         """Where torch.compile splits the model's forward on these inputs, each break as ``torch._dynamo.explain``
         gives it: the reason and the line of user code. Runs the forward once, without zerofx, and clears
-        torch.compile's caches (``explain`` does), so the compiled model compiles again on its next call."""
-        explained = torch._dynamo.explain(self.model)(*args, **kwargs)
+        torch.compile's caches (``explain`` does), so the compiled model compiles again on its next call. At stage 3
+        the parameters are gathered for that run. Every rank calls it."""
+        with self.shards.gathered(self._binding) if self.shards is not None else contextlib.nullcontext():
+            explained = torch._dynamo.explain(self.model)(*args, **kwargs)
         return [_describe_break(b) for b in explained.break_reasons]
 
     def state_dict(self) -> dict:

@@ -15,6 +15,8 @@ which no compiled graph reads: each runs on the shards, gathering what it reads.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -25,7 +27,7 @@ from zerofx.binding import StepBinding
 from zerofx.mesh import MeshRanks
 from zerofx.passes import PassContext
 from zerofx.sharded_state import ShardedState
-from zerofx.sharding import ParamLayout
+from zerofx.sharding import ParamLayout, gather_full
 
 
 class Shards:
@@ -65,6 +67,21 @@ class Shards:
         # checkpoints name the optimizer's state by the parameter a shard belongs to
         fqn_of.update({id(shard): fqn for fqn, shard in self.params.items()})
         return order
+
+    @contextlib.contextmanager
+    def gathered(self, binding: StepBinding):
+        """Stage 3: the parameters full inside the block (for code that runs the model without the backend, which
+        would read parameters that hold nothing), and without memory again after it."""
+        if self.stage < 3:
+            yield
+            return
+        for fqn, layout in self.layouts.items():
+            binding.params[fqn].data = gather_full(layout, self.state.params[fqn], self.ranks.group)
+        try:
+            yield
+        finally:
+            for fqn, layout in self.layouts.items():
+                binding.params[fqn].data = _hollow(layout, self.state.params[fqn])
 
     def graph_input(self, fqn: str) -> torch.Tensor:
         """Stage 3: what a compiled graph takes in place of parameter ``fqn``: this rank's shard."""
