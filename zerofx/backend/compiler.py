@@ -58,71 +58,19 @@ class Backend:
         if owner.config.stage != self.stage:
             raise ValueError(f"zerofx.backend(stage={self.stage}) compiles a model prepared for stage "
                              f"{owner.config.stage}; give both the same stage")
-        slots = [owner.slot_of(x) for x in example_inputs]
-        region = f"region{next(self._regions)}"
-        params = [i for i, slot in enumerate(slots) if slot is not None and slot.role == Role.PARAM]
-        sharded = [i for i in params if slots[i].fqn in owner.layouts and self.stage >= 3]  # run on shards
-        compiled_for = {slots[i].fqn for i in params}
-        artifacts, saved_params = {}, {}  # what forward's passes planned, for backward's; forward's shards by name
+        owner.bucket_bytes = self.bucket_bytes  # stages 1-2 gather after the update in the same buckets
+        region = _Region(self, owner, f"region{next(self._regions)}", example_inputs)
+        partition = {"partition_fn": partition_recomputing_param_views(region.sharded)} if region.sharded else {}
+        return aot_autograd(fw_compiler=region.compile_forward, bw_compiler=region.compile_backward,
+                            **partition)(gm, example_inputs)
 
-        def reads(args) -> set[str]:
-            read = {owner.fqn_of(args[i]) for i in params}
-            if self.stage >= 1 and read != compiled_for:
-                raise NotImplementedError(
-                    f"zerofx.backend: a region compiled for parameters {sorted(compiled_for)} runs for "
-                    f"{sorted(read)} (one graph serving several modules of a class); from stage 1 on its backward "
-                    "could not tell whose gradient shards it computes. Compile the whole model, or use stage 0")
-            return read
-
-        def compile_forward(fw: fx.GraphModule, _inputs):
-            fw = tag_forward(fw, slots)
-            handed = {}
-            if self.stage >= 3:
-                saved_params.update(hold_shards(fw, owner.layouts))
-                handed = hand_shards_to_backward(fw, saved_params)
-            run = self._compile(owner, f"{region}.forward", fw, artifacts)
-
-            def forward(args):
-                # the parameters a run reads are the ones its backward averages: a region compiled once may run for
-                # several modules of one class (each block), with other parameters than those it was compiled with
-                read = reads(args)
-                for i in sharded:
-                    args[i] = owner.shards.graph_input(owner.fqn_of(args[i]))
-                shards = {i: args[i] for i in handed.values()}  # before the run: a boxed call clears ``args``
-                out = self._recorded(owner, run, args, read)
-                for out_index, in_index in handed.items():
-                    out[out_index] = shards[in_index]
-                return out
-
-            return _boxed(forward)
-
-        def compile_backward(bw: fx.GraphModule, _inputs):
-            bw = tag_backward(bw, slots, saved_params)
-            if self.stage >= 3:
-                recompute_views_where_read(bw, hold_shards(bw, owner.layouts))
-            run = self._compile(owner, f"{region}.backward", bw, dict(artifacts))
-
-            def backward(args):
-                out = self._recorded(owner, run, args)
-                for i in params:  # from stage 1 on, gradient shards go to the optimizer's shards, not to autograd
-                    if slots[i].fqn in owner.layouts and out[i] is not None:
-                        owner.shards.receive_grad(slots[i].fqn, out[i])
-                        out[i] = None
-                return out
-
-            return _boxed(backward)
-
-        partition = {"partition_fn": partition_recomputing_param_views(sharded)} if sharded else {}
-        return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_backward, **partition)(gm, example_inputs)
-
-    def _compile(self, owner: Prepared, name: str, gm: fx.GraphModule, artifacts: dict):
-        """``gm`` through the stage's passes, as a boxed function; ``artifacts``: what an earlier graph of the
-        region planned (forward's gathers for backward), updated with what this one plans."""
+    def compile_graph(self, owner: Prepared, name: str, gm: fx.GraphModule, artifacts: dict) -> fx.GraphModule:
+        """``gm`` through the stage's passes; ``artifacts``: what an earlier graph of the region planned (forward's
+        gathers, for backward), updated with what this one plans."""
         units = owner.units if self.bucket_bytes is None else None
         ctx = PassContext(self.stage, owner.ranks.size, owner.ranks.group_name,
                           self.bucket_bytes or UNSHARDED_BUCKET_BYTES, units=units,
                           artifacts={**artifacts, "layouts": owner.layouts})
-        owner.bucket_bytes = self.bucket_bytes
         dump_dir = self._dump_dir(name)
         if dump_dir:
             dump.write(dump_dir, 0, "aot", gm)
@@ -134,19 +82,81 @@ class Backend:
         gm = graph_pipeline(self.stage).run(gm, ctx, after_each)
         artifacts.update(ctx.artifacts)
         owner.graphs[name] = gm
-        return make_boxed_func(gm)
-
-    @staticmethod
-    def _recorded(owner: Prepared, run, args: list, read: set[str] = frozenset()) -> list:
-        with collectives.recording() as records:
-            out = list(run(args))
-        owner.record(records, read)
-        return out
+        return gm
 
     def _dump_dir(self, name: str) -> str | None:
         if not self.dump_dir or (dist.is_initialized() and dist.get_rank() != 0):
             return None  # the graphs are the same on every rank: rank 0 writes them
         return os.path.join(self.dump_dir, *name.split("."))
+
+
+class _Region:
+    """One region Dynamo captured: its forward and backward graphs, compiled, and how they are called."""
+
+    def __init__(self, backend: Backend, owner: Prepared, name: str, example_inputs: list):
+        self.backend, self.owner, self.name = backend, owner, name
+        self.stage = backend.stage
+        self.slots = [owner.slot_of(x) for x in example_inputs]
+        self.params = [i for i, slot in enumerate(self.slots) if slot is not None and slot.role == Role.PARAM]
+        self.compiled_for = {self.slots[i].fqn for i in self.params}
+        # stage 3: the inputs the graphs take this rank's shard for
+        self.sharded = [i for i in self.params if self.slots[i].fqn in owner.layouts] if self.stage >= 3 else []
+        self.artifacts: dict = {}  # what forward's passes planned, for backward's
+        self.saved_params: dict = {}  # stage 3: forward's parameter placeholders by name
+        self.handed: dict[int, int] = {}  # stage 3: forward output -> the input whose shard it hands to backward
+
+    def compile_forward(self, fw: fx.GraphModule, _inputs):
+        fw = tag_forward(fw, self.slots)
+        if self.stage >= 3:
+            self.saved_params = hold_shards(fw, self.owner.layouts)
+            self.handed = hand_shards_to_backward(fw, self.saved_params)
+        run = make_boxed_func(self.backend.compile_graph(self.owner, f"{self.name}.forward", fw, self.artifacts))
+        return _boxed(lambda args: self._forward(run, args))
+
+    def compile_backward(self, bw: fx.GraphModule, _inputs):
+        bw = tag_backward(bw, self.slots, self.saved_params)
+        if self.stage >= 3:
+            recompute_views_where_read(bw, hold_shards(bw, self.owner.layouts))
+        run = make_boxed_func(self.backend.compile_graph(self.owner, f"{self.name}.backward", bw,
+                                                         dict(self.artifacts)))
+        return _boxed(lambda args: self._backward(run, args))
+
+    def _forward(self, run, args: list) -> list:
+        read = self._reads(args)
+        for i in self.sharded:
+            args[i] = self.owner.shards.graph_input(self.slots[i].fqn)
+        shards = {i: args[i] for i in self.handed.values()}  # before the run: a boxed call clears ``args``
+        out = self._recorded(run, args, read)
+        for out_index, in_index in self.handed.items():
+            out[out_index] = shards[in_index]
+        return out
+
+    def _backward(self, run, args: list) -> list:
+        out = self._recorded(run, args)
+        for i in self.params:  # from stage 1 on, gradient shards go to the optimizer's shards, not to autograd
+            fqn = self.slots[i].fqn
+            if fqn in self.owner.layouts and out[i] is not None:
+                self.owner.shards.receive_grad(fqn, out[i])
+                out[i] = None
+        return out
+
+    def _reads(self, args: list) -> set[str]:
+        """The parameters a run reads, whose gradients its backward communicates. At stage 0 a region compiled once
+        may run for several modules of one class (each block), with other parameters than it was compiled with;
+        from stage 1 on its backward hands gradient shards to the parameters it was compiled for, so no other."""
+        read = {self.owner.fqn_of(args[i]) for i in self.params}
+        if self.stage >= 1 and read != self.compiled_for:
+            raise NotImplementedError(
+                f"zerofx.backend: a region compiled for parameters {sorted(self.compiled_for)} runs for "
+                f"{sorted(read)} (one graph serving several modules of a class); from stage 1 on its backward "
+                "could not tell whose gradient shards it computes. Compile the whole model, or use stage 0")
+        return read
+
+    def _recorded(self, run, args: list, read: set[str] = frozenset()) -> list:
+        with collectives.recording() as records:
+            out = list(run(args))
+        self.owner.record(records, read)
+        return out
 
 
 def _boxed(fn):
