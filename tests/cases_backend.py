@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
 from zerofx import collectives
+from zerofx.errors import RankMismatchError
 from cases_loops import _zero_grad_last, assert_matches_ddp
 from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
 from nanogpt import GPT, param_groups
@@ -101,6 +102,30 @@ def graph_break_against_ddp(rank, world_size, stage, steps=10):
     prepared = zerofx.prepared(model)
     return {"graphs": sorted(prepared.graphs), "breaks": prepared.graph_breaks(*token_batch(0, rank)),
             "losses": losses}
+
+
+class BreakOnOneRankGPT(GraphBreakGPT):
+    """The graph break between the blocks on the ranks that set ``breaks``: the ranks compile different graphs."""
+
+    breaks = False
+
+    def forward(self, idx, targets):
+        if self.breaks:
+            return super().forward(idx, targets)
+        return GPT.forward(self, idx, targets)
+
+
+def ranks_compiling_different_graphs(rank, world_size, stage):
+    """The error each rank raises when one rank's forward breaks where the other's does not."""
+    torch.manual_seed(0)
+    model = BreakOnOneRankGPT(TINY_GPT)
+    model.breaks = rank == 1
+    model, opt = _compiled(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=stage)
+    try:
+        train_step(model, opt, *token_batch(0, rank))
+    except RankMismatchError as e:
+        return str(e)
+    return None
 
 
 class LoopBreakGPT(GPT):

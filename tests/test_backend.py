@@ -55,6 +55,13 @@ def test_parameters_read_outside_every_compiled_region_are_refused_before_the_up
     assert "'wte.weight'" in message and "'ln_f.weight'" in message and "blocks" not in message.split("]")[0]
 
 
+def test_ranks_compiling_different_graphs_raise_before_their_collectives_disagree(ranks2):
+    messages = ranks2.run(cases.ranks_compiling_different_graphs, stage=3)
+    assert messages[0] == messages[1]
+    assert "the compiled forward graph differs" in messages[0]
+    assert "rank 0: region0.forward" in messages[0] and "rank 1: region0.forward" in messages[0]
+
+
 @pytest.mark.parametrize("backend_stage, whole_step_stage", [(0, 3), (3, 1)])
 def test_checkpoints_move_between_the_backend_and_the_whole_step_path(ranks2, tmp_path, backend_stage,
                                                                       whole_step_stage):

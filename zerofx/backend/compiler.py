@@ -21,7 +21,7 @@ import torch.fx as fx
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from zerofx import collectives, dump
+from zerofx import collectives, dump, ranks, runtime
 from zerofx.api import UNSHARDED_BUCKET_BYTES
 from zerofx.backend.aot_graphs import (hand_shards_to_backward, hold_shards, partition_recomputing_param_views,
                                        recompute_views_where_read, tag_backward, tag_forward)
@@ -104,13 +104,16 @@ class _Region:
         self.artifacts: dict = {}  # what forward's passes planned, for backward's
         self.saved_params: dict = {}  # stage 3: forward's parameter placeholders by name
         self.handed: dict[int, int] = {}  # stage 3: forward output -> the input whose shard it hands to backward
+        self.fingerprint = 0  # the compiled forward's (`runtime.fingerprint`)
 
     def compile_forward(self, fw: fx.GraphModule, _inputs):
         fw = tag_forward(fw, self.slots)
         if self.stage >= 3:
             self.saved_params = hold_shards(fw, self.owner.layouts)
             self.handed = hand_shards_to_backward(fw, self.saved_params)
-        run = make_boxed_func(self.backend.compile_graph(self.owner, f"{self.name}.forward", fw, self.artifacts))
+        fw = self.backend.compile_graph(self.owner, f"{self.name}.forward", fw, self.artifacts)
+        self.fingerprint = runtime.fingerprint(fw)
+        run = make_boxed_func(fw)
         return _boxed(lambda args: self._forward(run, args))
 
     def compile_backward(self, bw: fx.GraphModule, _inputs):
@@ -123,6 +126,7 @@ class _Region:
 
     def _forward(self, run, args: list) -> list:
         read = self._reads(args)
+        self._agree_on_graph()
         for i in self.sharded:
             args[i] = self.owner.shards.graph_input(self.slots[i].fqn)
         shards = {i: args[i] for i in self.handed.values()}  # before the run: a boxed call clears ``args``
@@ -140,6 +144,17 @@ class _Region:
                 out[i] = None
         return out
 
+    def _agree_on_graph(self) -> None:
+        """Ranks run the same forward graph here, and so the same collectives after it: an 8-byte all-gather of its
+        fingerprint, awaited just before the graph's first collective (at the run's end if it issues none), raises
+        on every rank where one differs (a batch shaped otherwise on one rank, a graph break on one rank only)."""
+        dp = self.owner.ranks
+        if dp.size > 1:
+            name = f"{self.name}.forward"
+            collectives.before_next_collective(
+                ranks.agree(self.fingerprint, "the compiled forward graph",
+                            lambda: f"{name}, fingerprint {self.fingerprint:x}", dp.group))
+
     def _reads(self, args: list) -> set[str]:
         """The parameters a run reads, whose gradients its backward communicates. At stage 0 a region compiled once
         may run for several modules of one class (each block), with other parameters than it was compiled with;
@@ -154,7 +169,10 @@ class _Region:
 
     def _recorded(self, run, args: list, read: set[str] = frozenset()) -> list:
         with collectives.recording() as records:
-            out = list(run(args))
+            try:
+                out = list(run(args))
+            finally:
+                collectives.settle_pending()  # a graph that issued no collective still checks the ranks agree
         self.owner.record(records, read)
         return out
 
