@@ -102,11 +102,13 @@ class Prepared:
         # from stage 1 on the optimizer updates shards, and only compiled backwards hand gradients to them
         missed = sorted(self._accumulated if self.shards is not None else self._accumulated - self._reduced)
         if missed and self.ranks.size > 1:
+            where = "outside every compiled region, so no rank averaged them" if self.shards is None else \
+                "outside the compiled regions, where no rank averages them and the optimizer's shards never see them"
             raise RuntimeError(
-                f"zerofx.backend: the gradients of {missed} were computed outside every compiled region, so no rank "
-                "averaged them; the model's forward reads these parameters where torch.compile ran eagerly (a "
-                "graph break it could not resume from, such as one inside a loop). Call "
-                "zerofx.prepared(model).graph_breaks(*inputs) to see where, and move the break out of the loop")
+                f"zerofx.backend: the gradients of {missed} were computed {where}; the model's forward reads these "
+                "parameters where torch.compile ran eagerly (a graph break it could not resume from, such as one "
+                "inside a loop). Call zerofx.prepared(model).graph_breaks(*inputs) to see where, and move the break "
+                "out of the loop")
 
     def _end_step(self) -> None:
         if self.shards is not None:
