@@ -67,14 +67,15 @@ def tag_backward(gm: fx.GraphModule, input_slots: list[Slot | None],
 
 
 def hold_shards(gm: fx.GraphModule, layouts: dict[str, ParamLayout]) -> dict[str, Slot]:
-    """Stage 3: the tagged parameter placeholders of ``layouts`` hold this rank's shard (``gm`` is called with
-    it); those of them by name."""
+    """Stage 3: the parameter placeholders of ``layouts`` (tagged) hold this rank's shard, which ``gm`` is called
+    with; returns their slots by placeholder name."""
     held = {}
     for node in gm.graph.nodes:
         slots = node.meta[TAG].slots if node.op == "placeholder" else []
         if slots and slots[0].role == Role.PARAM and slots[0].fqn in layouts:
             with fake_mode_of(gm.graph):
-                node.meta["val"] = torch.empty(layouts[slots[0].fqn].shard_numel, dtype=node.meta["val"].dtype)
+                full = node.meta["val"]
+                node.meta["val"] = torch.empty(layouts[slots[0].fqn].shard_numel, dtype=full.dtype, device=full.device)
             node.meta[SHARD] = True
             held[node.name] = slots[0]
     return held

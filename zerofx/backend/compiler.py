@@ -184,8 +184,10 @@ def _boxed(fn):
 
 
 def backend(stage: int = 0, *, bucket_bytes: int | None = None, dump_dir: str | None = None) -> Backend:
-    """A torch.compile backend: ``torch.compile(model, backend=zerofx.backend(stage=0))`` for a model and
+    """A torch.compile backend: ``torch.compile(model, backend=zerofx.backend(stage=3))`` for a model and
     optimizer given to ``zerofx.prepare`` with the same stage. Forward and backward run through zerofx's passes for
-    ``stage`` (gradients averaged in buckets of ``bucket_bytes``, DDP's 25 MiB by default); ``dump_dir`` (or
-    ``ZEROFX_DUMP``) writes each region's forward and backward graph after each pass."""
+    ``stage``: gradients are averaged (stage 0) or reduce-scattered (stage 1) in buckets of ``bucket_bytes`` (DDP's
+    25 MiB by default), as are the parameters gathered after stages 1-2's update; stages 2-3 reduce-scatter
+    gradients, and stage 3 gathers parameters, by the model's blocks unless ``bucket_bytes`` is given. ``dump_dir``
+    (or ``ZEROFX_DUMP``) writes each region's forward and backward graph after each pass."""
     return Backend(stage, bucket_bytes, dump_dir or os.environ.get("ZEROFX_DUMP"))

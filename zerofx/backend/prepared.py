@@ -151,8 +151,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
     """Make ``model`` and ``optimizer`` ready for ``torch.compile(model, backend=zerofx.backend(stage=...))`` and
     return the two objects to keep using: every rank starts from the first rank's parameters and buffers, as DDP
     does, and the optimizer's state exists before its first step (as torch.optim would create it), so a checkpoint
-    can be loaded into it (``zerofx.checkpoint.load(zerofx.prepared(model), ...)``). Every rank calls it, once,
-    before the model first runs."""
+    can be loaded into it (``zerofx.checkpoint.load(zerofx.prepared(model), ...)``). From ``stage`` 1 on the
+    optimizer's ``param_groups`` then hold this rank's shards in place of the trainable parameters (its state, and
+    the gradients ``optimizer.zero_grad()`` clears, are theirs), and at stage 3 the model's parameters keep their
+    shapes but no memory (`zerofx.backend.shards`). Every rank calls it, once, before the model first runs."""
     if mixed_precision is not None:
         raise NotImplementedError("zerofx.prepare: mixed_precision is not supported by the backend path yet; use "
                                   "zerofx.compile for mixed precision")

@@ -99,12 +99,13 @@ class Shards:
     def after_update(self, bucket_bytes: int | None) -> list[collectives.CollectiveRecord]:
         """Stages 1-2, after ``optimizer.step()``: every rank's updated chunks gathered into the parameters; the
         collectives it issued."""
-        if self.stage >= 3:
+        if self.stage >= 3 or not self._update_order:
             return []
         if self._gather is None:
             ctx = PassContext(self.stage, self.ranks.size, self.ranks.group_name,
                               bucket_bytes or UNSHARDED_BUCKET_BYTES)
-            self._gather = gather_after_update([self.layouts[f] for f in self._update_order], ctx)
+            first = self.state.params[self._update_order[0]]
+            self._gather = gather_after_update([self.layouts[f] for f in self._update_order], ctx, first.device)
         with collectives.recording() as records:
             self._gather(*[self.state.params[f] for f in self._update_order], self.ranks.rank)
         return records

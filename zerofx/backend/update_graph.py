@@ -21,14 +21,14 @@ from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot
 aten = torch.ops.aten
 
 
-def gather_after_update(layouts: list[ParamLayout], ctx: PassContext) -> fx.GraphModule:
+def gather_after_update(layouts: list[ParamLayout], ctx: PassContext, device: torch.device) -> fx.GraphModule:
     """A graph ``(padded flat parameters in the order of ``layouts``..., rank) -> ()`` that all-gathers every rank's
-    updated chunk into each parameter; ``layouts`` in the order the optimizer updates them."""
+    updated chunk into each parameter; ``layouts`` in the order the optimizer updates them, on ``device``."""
     graph = fx.Graph()
     fake = FakeTensorMode()
     with fake:
-        params = [_node(graph.placeholder(f"p{i}"), torch.empty(l.padded_numel, dtype=l.dtype), Role.PARAM, l.fqn)
-                  for i, l in enumerate(layouts)]
+        params = [_node(graph.placeholder(f"p{i}"), torch.empty(l.padded_numel, dtype=l.dtype, device=device),
+                        Role.PARAM, l.fqn) for i, l in enumerate(layouts)]
     rank = _node(graph.placeholder("rank"), 0, Role.RANK)
     for node, layout in zip(params, layouts):
         with fake:
