@@ -17,9 +17,9 @@ aten = torch.ops.aten
 
 # Ops that only re-present a parameter (transposes, views, dtype casts): backward recomputes them from the
 # re-gathered parameter instead of keeping forward's copy alive, which would undo resharding.
-_PARAM_ONLY_OPS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
-                   aten._unsafe_view.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
-                   aten.reshape.default, aten._to_copy.default, aten.detach.default, aten.clone.default}
+PARAM_ONLY_OPS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
+                  aten._unsafe_view.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
+                  aten.reshape.default, aten._to_copy.default, aten.detach.default, aten.clone.default}
 
 
 def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -50,7 +50,9 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     all_forward = {f: _uses(sg, [p], Phase.FORWARD) for f, p in shards.items()}  # before any node is added
     all_backward = {f: _uses(sg, [p, *derived[f]], Phase.BACKWARD) for f, p in shards.items()}
     used = sorted((f for f in shards if all_forward[f]), key=lambda f: sg.order[all_forward[f][0]])
-    buckets = plan_sharded(ctx, [(f, layouts[f].padded_numel, layouts[f].dtype) for f in used])
+    # a backward graph compiled apart from its forward (torch.compile's) gathers by the units its forward planned
+    buckets = ctx.artifacts.get("gather_buckets") or \
+        plan_sharded(ctx, [(f, layouts[f].padded_numel, layouts[f].dtype) for f in used])
     gathers: list[tuple[Phase, Bucket]] = []
     kept: set[str] = set()
     for mb in range(sg.num_microbatches()):  # each micro-batch gathers for itself, as the paper's 3M counts
@@ -105,7 +107,7 @@ def _segments(sg: StepGraph, buckets: list[Bucket], uses: dict[str, list[fx.Node
     bytes_of = {f: n * b.dtype.itemsize for b in buckets for f, n in zip(b.names, b.numels)}
     # the largest bucket besides the parameter's own: what a kept parameter must not outgrow
     largest = {f: sizes[1] if b.nbytes == sizes[0] else sizes[0] for b in buckets for f in b.names}
-    pending = [(b, {f: uses[f] for f in b.names if uses[f]}) for b in buckets]
+    pending = [(b, {f: uses[f] for f in b.names if uses.get(f)}) for b in buckets]
     segments: list[_Segment] = []
     while pending := [(b, u) for b, u in pending if u]:
         pending.sort(key=lambda bu: min(order(xs[0]) for xs in bu[1].values()))
@@ -140,7 +142,7 @@ def _param_only_closure(param: fx.Node) -> list[fx.Node]:
             if user in members or tag(user).phase != Phase.FORWARD:
                 continue
             inputs = [a for a in user.all_input_nodes]
-            if (user.target in _PARAM_ONLY_OPS or aliases_first_arg(user)) and all(a in members for a in inputs):
+            if (user.target in PARAM_ONLY_OPS or aliases_first_arg(user)) and all(a in members for a in inputs):
                 members.add(user)
                 closure.append(user)
                 frontier.append(user)

@@ -36,6 +36,8 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     """
     sg = StepGraph(gm)
     layouts = ctx.artifacts["layouts"]
+    if not any(f in layouts for f in sg.tagged(Role.GRAD)):
+        return gm  # no gradient to shard: a forward graph of torch.compile's
     micro = sg.num_microbatches()
     rounds = range(micro) if ctx.stage >= 2 else [micro - 1]
     accumulated: dict[str, fx.Node] = {}

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
+from zerofx import collectives
+from zerofx.errors import RankMismatchError
 from cases_loops import _zero_grad_last, assert_matches_ddp
 from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
 from nanogpt import GPT, param_groups
@@ -34,33 +36,44 @@ def _train_beside_ddp(model, opt, ref_model, ref_opt, loop, rank, steps, first=0
     return losses
 
 
-def against_ddp(rank, world_size, stage, steps=10):
-    """Each loop style, ``steps`` steps beside DDP: losses, then parameters and optimizer state."""
+def beside_ddp_and_whole_step(rank, world_size, stage, dump_dir, steps=10):
+    """Each loop style, ``steps`` steps beside DDP (losses, then parameters and optimizer state: the first
+    difference is returned); the last step's collectives beside a whole step's; the backend's graphs dumped to
+    ``dump_dir``. The whole step leaves recomputation to AOTAutograd's partitioner as the backend does (no
+    ``recompute_pointwise``): what backward recomputes decides which parameters it gathers when, at stage 3."""
+    mismatch = None
     for name, loop in LOOPS.items():
         ref_model, ref_opt = gpt_and_adamw()
-        model, opt = _compiled(*gpt_and_adamw(seed=rank), stage)  # prepare broadcasts rank 0's parameters
-        _train_beside_ddp(model, opt, ref_model, ref_opt, loop, rank, steps)
-        assert_matches_ddp(zerofx.prepared(model), ref_model, ref_opt)
-    return True
+        model, opt = _compiled(*gpt_and_adamw(seed=rank), stage, dump_dir=dump_dir)  # prepare broadcasts rank 0's
+        try:
+            _train_beside_ddp(model, opt, ref_model, ref_opt, loop, rank, steps)
+            assert_matches_ddp(zerofx.prepared(model), ref_model, ref_opt)
+        except AssertionError as e:
+            mismatch = mismatch or f"{name}: {e}"
+    step = zerofx.compile(train_step, stage=stage, recompute_pointwise=False)
+    whole_model, whole_opt = gpt_and_adamw()
+    step(whole_model, whole_opt, *token_batch(0, rank))
+    prepared = zerofx.prepared(model)
+    ours, theirs = prepared.stats(), step.stats()
+    return {"ddp_mismatch": mismatch, "backend": _records(ours.collectives),
+            "whole_step": _records(theirs.collectives), "volumes": (ours.comm_volume, theirs.comm_volume),
+            "saved_gathered": _gathered_outputs(prepared.graphs["region0.forward"])}
 
 
 def _records(records):
     return [(r.kind, r.numel, r.dtype, r.purpose) for r in records if r.purpose != "control"]
 
 
-def records_beside_whole_step(rank, world_size, stage, bucket_bytes, dump_dir):
-    """The collectives of one step through the backend and through ``zerofx.compile`` (rank agreement aside); the
-    backend's graphs dumped to ``dump_dir``."""
-    model, opt = _compiled(*gpt_and_adamw(), stage, bucket_bytes=bucket_bytes, dump_dir=dump_dir)
-    step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes)
-    whole_model, whole_opt = gpt_and_adamw()
-    for i in range(2):
-        x, y = token_batch(i, rank)
-        train_step(model, opt, x, y)
-        step(whole_model, whole_opt, x, y)
-    ours, theirs = zerofx.prepared(model).stats(), step.stats()
-    return {"backend": _records(ours.collectives), "whole_step": _records(theirs.collectives),
-            "volumes": (ours.comm_volume, theirs.comm_volume)}
+def _gathered_outputs(forward) -> int:
+    """How many of a forward graph's outputs (what it saves for backward) are a gathered parameter or a view of one."""
+    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    count = 0
+    for value in output.args[0]:
+        while isinstance(value, torch.fx.Node) and isinstance(value.target, torch._ops.OpOverload) \
+                and value.target.is_view:
+            value = value.args[0]
+        count += isinstance(value, torch.fx.Node) and value.target is collectives.wait
+    return count
 
 
 class GraphBreakGPT(GPT):
@@ -76,12 +89,12 @@ class GraphBreakGPT(GPT):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def graph_break_against_ddp(rank, world_size, steps=10):
+def graph_break_against_ddp(rank, world_size, stage, steps=10):
     torch.manual_seed(0)
     model = GraphBreakGPT(TINY_GPT)
     opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=3e-3)
     ref_model, ref_opt = gpt_and_adamw()
-    model, opt = _compiled(model, opt, stage=0)
+    model, opt = _compiled(model, opt, stage=stage)
     losses = _train_beside_ddp(model, opt, ref_model, ref_opt, train_step, rank, steps)
     # the tied embedding's gradient is averaged in two parts, one per region: values that are rounding noise (the
     # attention key's bias, whose gradient is analytically zero and which Adam scales up to lr) differ by about 1e-5
@@ -89,6 +102,30 @@ def graph_break_against_ddp(rank, world_size, steps=10):
     prepared = zerofx.prepared(model)
     return {"graphs": sorted(prepared.graphs), "breaks": prepared.graph_breaks(*token_batch(0, rank)),
             "losses": losses}
+
+
+class BreakOnOneRankGPT(GraphBreakGPT):
+    """The graph break between the blocks on the ranks that set ``breaks``: the ranks compile different graphs."""
+
+    breaks = False
+
+    def forward(self, idx, targets):
+        if self.breaks:
+            return super().forward(idx, targets)
+        return GPT.forward(self, idx, targets)
+
+
+def ranks_compiling_different_graphs(rank, world_size, stage):
+    """The error each rank raises when one rank's forward breaks where the other's does not."""
+    torch.manual_seed(0)
+    model = BreakOnOneRankGPT(TINY_GPT)
+    model.breaks = rank == 1
+    model, opt = _compiled(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=stage)
+    try:
+        train_step(model, opt, *token_batch(0, rank))
+    except RankMismatchError as e:
+        return str(e)
+    return None
 
 
 class LoopBreakGPT(GPT):
@@ -116,7 +153,7 @@ def eager_parameters_refused(rank, world_size):
     return None
 
 
-def checkpoint_between_paths(rank, world_size, directory, whole_step_stage, steps=4):
+def checkpoint_between_paths(rank, world_size, directory, backend_stage, whole_step_stage, steps=4):
     """Each way: ``steps`` steps on one path, ``zerofx.checkpoint.save``, a fresh model (another seed) loaded on
     the other path, ``steps`` more; every loss and the final state against DDP training straight through."""
     ref_model, ref_opt = gpt_and_adamw()
@@ -124,7 +161,7 @@ def checkpoint_between_paths(rank, world_size, directory, whole_step_stage, step
     ref_losses = [train_step(ddp, ref_opt, *token_batch(i, rank)).item() for i in range(2 * steps)]
 
     def backend_path(seed):
-        return _compiled(*gpt_and_adamw(seed=seed), stage=0)
+        return _compiled(*gpt_and_adamw(seed=seed), stage=backend_stage)
 
     def whole_step_path(seed):
         model, opt = gpt_and_adamw(seed=seed)

@@ -57,12 +57,16 @@ class CompiledGraph:
 
     @property
     def fingerprint(self) -> int:
-        """A hash of the graph's code, with process groups named by first appearance: the same graph on ranks of
-        different tensor-parallel groups (whose names differ) has the same fingerprint."""
-        code = self.gm.code
-        for i, name in enumerate(dict.fromkeys(_group_names(self.gm.graph))):
-            code = code.replace(repr(name), f"'group{i}'")
-        return int.from_bytes(hashlib.sha256(code.encode()).digest()[:8], "little") >> 1
+        return fingerprint(self.gm)
+
+
+def fingerprint(gm: fx.GraphModule) -> int:
+    """A hash of the graph's code, with process groups named by first appearance: the same graph on ranks of
+    different tensor-parallel groups (whose names differ) has the same fingerprint."""
+    code = gm.code
+    for i, name in enumerate(dict.fromkeys(_group_names(gm.graph))):
+        code = code.replace(repr(name), f"'group{i}'")
+    return int.from_bytes(hashlib.sha256(code.encode()).digest()[:8], "little") >> 1
 
 
 def _group_names(graph: fx.Graph):

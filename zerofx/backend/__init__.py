@@ -2,8 +2,8 @@
 ``optimizer.step()`` stay where they are, and the forward and backward graphs AOTAutograd produces run through the
 same passes as a whole captured step.
 
-    model, optimizer = zerofx.prepare(model, optimizer, stage=0)
-    model = torch.compile(model, backend=zerofx.backend(stage=0))
+    model, optimizer = zerofx.prepare(model, optimizer, stage=3)     # any of stages 0-3
+    model = torch.compile(model, backend=zerofx.backend(stage=3))
 """
 
 from zerofx.backend.compiler import Backend, backend

@@ -2,10 +2,13 @@
 
 Dynamo hands the backend each region it captured from the model's forward (one per graph break); AOTAutograd splits
 it into a forward and a backward graph. Both are tagged as a captured step's nodes are (`aot_graphs`) and put
-through the stage's pipeline, the same ``zerofx.passes.pipeline(stage)`` the whole-step path runs: a pass finds the
-nodes it works on by their tags, so on a forward graph the gradient passes find no gradient and change nothing, and
-on a backward graph ``broadcast_buffers`` finds no buffer. The graphs stay FX GraphModules (no Inductor); every
-collective they issue is recorded for the `Prepared` model's ``stats()``.
+through the stage's pipeline, the same ``zerofx.passes.pipeline(stage)`` the whole-step path runs, less the passes
+that edit the optimizer's update (`UPDATE_PASSES`): ``optimizer.step()`` runs eagerly, outside these graphs, on the
+shards `zerofx.backend.shards` gives it. A pass finds the nodes it works on by their tags, so on a forward graph the
+gradient passes find no gradient and change nothing, and on a backward graph ``broadcast_buffers`` finds no buffer.
+From stage 1 on the backward's gradients leave it as this rank's shards, which go to the optimizer's shards rather
+than to autograd (which would refuse their shape); at stage 3 each graph runs on the parameters' shards. The graphs
+stay FX GraphModules (no Inductor); every collective they issue is recorded for the `Prepared` model's ``stats()``.
 """
 
 from __future__ import annotations
@@ -18,12 +21,23 @@ import torch.fx as fx
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from zerofx import collectives, dump
+from zerofx import collectives, dump, ranks, runtime
 from zerofx.api import UNSHARDED_BUCKET_BYTES
-from zerofx.backend.aot_graphs import tag_backward, tag_forward
+from zerofx.backend.aot_graphs import (hand_shards_to_backward, hold_shards, partition_recomputing_param_views,
+                                       recompute_views_where_read, tag_backward, tag_forward)
 from zerofx.backend.prepared import Prepared, owner_of
-from zerofx.passes import PassContext, pipeline
+from zerofx.passes import PassContext, Pipeline, allgather_params, pipeline, shard_optimizer_state
 from zerofx.step_graph import Role
+
+# The passes that edit the optimizer's update, which AOTAutograd's graphs do not hold: ``shard_optimizer_state``'s
+# work on the state is done once by ``zerofx.prepare`` (`zerofx.backend.shards`), ``allgather_params`` runs on a graph
+# of the eager update after each ``optimizer.step()`` (`zerofx.backend.update_graph`).
+UPDATE_PASSES = (shard_optimizer_state, allgather_params)
+
+
+def graph_pipeline(stage: int) -> Pipeline:
+    """The passes the backend runs on a forward or backward graph: the stage's pipeline without `UPDATE_PASSES`."""
+    return Pipeline(stage, tuple(p for p in pipeline(stage).passes if p not in UPDATE_PASSES))
 
 
 class Backend:
@@ -44,24 +58,19 @@ class Backend:
         if owner.config.stage != self.stage:
             raise ValueError(f"zerofx.backend(stage={self.stage}) compiles a model prepared for stage "
                              f"{owner.config.stage}; give both the same stage")
-        slots = [owner.slot_of(x) for x in example_inputs]
-        region = f"region{next(self._regions)}"
-        params = [i for i, slot in enumerate(slots) if slot is not None and slot.role == Role.PARAM]
+        owner.bucket_bytes = self.bucket_bytes  # stages 1-2 gather after the update in the same buckets
+        region = _Region(self, owner, f"region{next(self._regions)}", example_inputs)
+        partition = {"partition_fn": partition_recomputing_param_views(region.sharded)} if region.sharded else {}
+        return aot_autograd(fw_compiler=region.compile_forward, bw_compiler=region.compile_backward,
+                            **partition)(gm, example_inputs)
 
-        def compile_forward(fw: fx.GraphModule, _inputs):
-            # the parameters a run reads are the ones its backward averages: a region compiled once may run for
-            # several modules of one class (each block), with other parameters than those it was compiled with
-            return self._compile(owner, f"{region}.forward", tag_forward(fw, slots),
-                                 reads=lambda args: {owner.fqn_of(args[i]) for i in params})
-
-        def compile_backward(bw: fx.GraphModule, _inputs):
-            return self._compile(owner, f"{region}.backward", tag_backward(bw, slots))
-
-        return aot_autograd(fw_compiler=compile_forward, bw_compiler=compile_backward)(gm, example_inputs)
-
-    def _compile(self, owner: Prepared, name: str, gm: fx.GraphModule, reads=lambda args: frozenset()):
+    def compile_graph(self, owner: Prepared, name: str, gm: fx.GraphModule, artifacts: dict) -> fx.GraphModule:
+        """``gm`` through the stage's passes; ``artifacts``: what an earlier graph of the region planned (forward's
+        gathers, for backward), updated with what this one plans."""
+        units = owner.units if self.bucket_bytes is None else None
         ctx = PassContext(self.stage, owner.ranks.size, owner.ranks.group_name,
-                          self.bucket_bytes or UNSHARDED_BUCKET_BYTES)
+                          self.bucket_bytes or UNSHARDED_BUCKET_BYTES, units=units,
+                          artifacts={**artifacts, "layouts": owner.layouts})
         dump_dir = self._dump_dir(name)
         if dump_dir:
             dump.write(dump_dir, 0, "aot", gm)
@@ -70,19 +79,10 @@ class Backend:
             if dump_dir:
                 dump.write(dump_dir, index, pass_name, graph)
 
-        gm = pipeline(self.stage).run(gm, ctx, after_each)
+        gm = graph_pipeline(self.stage).run(gm, ctx, after_each)
+        artifacts.update(ctx.artifacts)
         owner.graphs[name] = gm
-        run = make_boxed_func(gm)
-
-        def recorded(args):
-            read = reads(args)  # before the run: a boxed call clears ``args``
-            with collectives.recording() as records:
-                out = run(args)
-            owner.record(records, read)
-            return out
-
-        recorded._boxed_call = True
-        return recorded
+        return gm
 
     def _dump_dir(self, name: str) -> str | None:
         if not self.dump_dir or (dist.is_initialized() and dist.get_rank() != 0):
@@ -90,9 +90,104 @@ class Backend:
         return os.path.join(self.dump_dir, *name.split("."))
 
 
+class _Region:
+    """One region Dynamo captured: its forward and backward graphs, compiled, and how they are called."""
+
+    def __init__(self, backend: Backend, owner: Prepared, name: str, example_inputs: list):
+        self.backend, self.owner, self.name = backend, owner, name
+        self.stage = backend.stage
+        self.slots = [owner.slot_of(x) for x in example_inputs]
+        self.params = [i for i, slot in enumerate(self.slots) if slot is not None and slot.role == Role.PARAM]
+        self.compiled_for = {self.slots[i].fqn for i in self.params}
+        # stage 3: the inputs the graphs take this rank's shard for
+        self.sharded = [i for i in self.params if self.slots[i].fqn in owner.layouts] if self.stage >= 3 else []
+        self.artifacts: dict = {}  # what forward's passes planned, for backward's
+        self.saved_params: dict = {}  # stage 3: forward's parameter placeholders by name
+        self.handed: dict[int, int] = {}  # stage 3: forward output -> the input whose shard it hands to backward
+        self.fingerprint = 0  # the compiled forward's (`runtime.fingerprint`)
+
+    def compile_forward(self, fw: fx.GraphModule, _inputs):
+        fw = tag_forward(fw, self.slots)
+        if self.stage >= 3:
+            self.saved_params = hold_shards(fw, self.owner.layouts)
+            self.handed = hand_shards_to_backward(fw, self.saved_params)
+        fw = self.backend.compile_graph(self.owner, f"{self.name}.forward", fw, self.artifacts)
+        self.fingerprint = runtime.fingerprint(fw)
+        run = make_boxed_func(fw)
+        return _boxed(lambda args: self._forward(run, args))
+
+    def compile_backward(self, bw: fx.GraphModule, _inputs):
+        bw = tag_backward(bw, self.slots, self.saved_params)
+        if self.stage >= 3:
+            recompute_views_where_read(bw, hold_shards(bw, self.owner.layouts))
+        run = make_boxed_func(self.backend.compile_graph(self.owner, f"{self.name}.backward", bw,
+                                                         dict(self.artifacts)))
+        return _boxed(lambda args: self._backward(run, args))
+
+    def _forward(self, run, args: list) -> list:
+        read = self._reads(args)
+        self._agree_on_graph()
+        for i in self.sharded:
+            args[i] = self.owner.shards.graph_input(self.slots[i].fqn)
+        shards = {i: args[i] for i in self.handed.values()}  # before the run: a boxed call clears ``args``
+        out = self._recorded(run, args, read)
+        for out_index, in_index in self.handed.items():
+            out[out_index] = shards[in_index]
+        return out
+
+    def _backward(self, run, args: list) -> list:
+        out = self._recorded(run, args)
+        for i in self.params:  # from stage 1 on, gradient shards go to the optimizer's shards, not to autograd
+            fqn = self.slots[i].fqn
+            if fqn in self.owner.layouts and out[i] is not None:
+                self.owner.shards.receive_grad(fqn, out[i])
+                out[i] = None
+        return out
+
+    def _agree_on_graph(self) -> None:
+        """Ranks run the same forward graph here, and so the same collectives after it: an 8-byte all-gather of its
+        fingerprint, awaited just before the graph's first collective (at the run's end if it issues none), raises
+        on every rank where one differs (a batch shaped otherwise on one rank, a graph break on one rank only)."""
+        dp = self.owner.ranks
+        if dp.size > 1:
+            name = f"{self.name}.forward"
+            collectives.before_next_collective(
+                ranks.agree(self.fingerprint, "the compiled forward graph",
+                            lambda: f"{name}, fingerprint {self.fingerprint:x}", dp.group))
+
+    def _reads(self, args: list) -> set[str]:
+        """The parameters a run reads, whose gradients its backward communicates. At stage 0 a region compiled once
+        may run for several modules of one class (each block), with other parameters than it was compiled with;
+        from stage 1 on its backward hands gradient shards to the parameters it was compiled for, so no other."""
+        read = {self.owner.fqn_of(args[i]) for i in self.params}
+        if self.stage >= 1 and read != self.compiled_for:
+            raise NotImplementedError(
+                f"zerofx.backend: a region compiled for parameters {sorted(self.compiled_for)} runs for "
+                f"{sorted(read)} (one graph serving several modules of a class); from stage 1 on its backward "
+                "could not tell whose gradient shards it computes. Compile the whole model, or use stage 0")
+        return read
+
+    def _recorded(self, run, args: list, read: set[str] = frozenset()) -> list:
+        with collectives.recording() as records:
+            try:
+                out = list(run(args))
+            finally:
+                collectives.settle_pending()  # a graph that issued no collective still checks the ranks agree
+        self.owner.record(records, read)
+        return out
+
+
+def _boxed(fn):
+    """``fn`` called as AOTAutograd calls a compiled graph: with its arguments in one list, which it may clear."""
+    fn._boxed_call = True
+    return fn
+
+
 def backend(stage: int = 0, *, bucket_bytes: int | None = None, dump_dir: str | None = None) -> Backend:
-    """A torch.compile backend: ``torch.compile(model, backend=zerofx.backend(stage=0))`` for a model and
+    """A torch.compile backend: ``torch.compile(model, backend=zerofx.backend(stage=3))`` for a model and
     optimizer given to ``zerofx.prepare`` with the same stage. Forward and backward run through zerofx's passes for
-    ``stage`` (gradients averaged in buckets of ``bucket_bytes``, DDP's 25 MiB by default); ``dump_dir`` (or
-    ``ZEROFX_DUMP``) writes each region's forward and backward graph after each pass."""
+    ``stage``: gradients are averaged (stage 0) or reduce-scattered (stage 1) in buckets of ``bucket_bytes`` (DDP's
+    25 MiB by default), as are the parameters gathered after stages 1-2's update; stages 2-3 reduce-scatter
+    gradients, and stage 3 gathers parameters, by the model's blocks unless ``bucket_bytes`` is given. ``dump_dir``
+    (or ``ZEROFX_DUMP``) writes each region's forward and backward graph after each pass."""
     return Backend(stage, bucket_bytes, dump_dir or os.environ.get("ZEROFX_DUMP"))

@@ -5,11 +5,13 @@ ready for ``torch.compile(model, backend=zerofx.backend(...))``.
 meet among a compiled region's inputs, the process group) and what a step did (the collectives issued between two
 ``optimizer.step()`` calls). It carries the attributes ``zerofx.state_dict``, ``zerofx.full_state_dict``,
 ``zerofx.load_state_dict`` and ``zerofx.checkpoint`` read from a compiled step, so checkpoints have one layout
-whichever way a run trains, and a run saved through one path resumes through the other.
+whichever way a run trains, and a run saved through one path resumes through the other. From stage 1 on it holds
+the sharded state (`zerofx.backend.shards`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -17,6 +19,7 @@ import torch.nn as nn
 
 from zerofx import optim_support, runtime
 from zerofx.api import Config
+from zerofx.backend.shards import Shards
 from zerofx.binding import StepBinding
 from zerofx.collectives import CollectiveRecord
 from zerofx.mesh import DTensorSpecs, mesh_ranks
@@ -24,6 +27,7 @@ from zerofx.mixed_precision import MixedPrecision
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, ring_volume
 from zerofx.step_graph import Role, Slot
+from zerofx.units import unit_of_params
 
 _PREPARED: "weakref.WeakKeyDictionary[nn.Module, Prepared]" = weakref.WeakKeyDictionary()
 
@@ -36,11 +40,14 @@ class Prepared:
         self.ranks = mesh_ranks(config.mesh)
         self._binding = StepBinding.from_args((model, optimizer))
         self._args = (model, optimizer)
-        self._owned = None  # the sharded state, where a stage takes it
+        self.shards: Shards | None = None  # stages 1-3, from `shard`
+        self._owned = None  # the sharded state (`zerofx.state_dict` reads it as a step's)
+        self.units = unit_of_params([model], [""], self._binding.param_aliases)  # what stages 2-3 communicate by
+        self.bucket_bytes: int | None = None  # the compiling backend's; stages 1-2 gather after the update by it
         self._specs = DTensorSpecs()
         self._slots = {id(p): Slot(Role.PARAM, fqn) for fqn, p in self._binding.params.items()}
         self._slots.update({id(b): Slot(Role.BUFFER, fqn) for fqn, b in self._binding.buffers.items()})
-        self._by_storage = {p.untyped_storage().data_ptr(): fqn for fqn, p in self._binding.params.items()}
+        self._by_storage = self._storage_index()
         self.graphs: dict[str, object] = {}  # "region0.forward", "region0.backward", ...: the graphs as run
         self._pending: list[CollectiveRecord] = []  # issued since the last optimizer.step()
         self.last_records: list[CollectiveRecord] = []
@@ -48,9 +55,25 @@ class Prepared:
         self._reduced: set[str] = set()  # parameters whose gradient a compiled backward communicated since then
         for fqn, p in self._binding.params.items():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda _, fqn=fqn: self._accumulated.add(fqn))
+                p.register_post_accumulate_grad_hook(lambda p, fqn=fqn: self._note_accumulated(fqn, p))
         optimizer.register_step_pre_hook(lambda *_: self._check_reduced())
         optimizer.register_step_post_hook(lambda *_: self._end_step())
+
+    def shard(self) -> None:
+        """Stages 1-3: take this rank's shards of the parameters and the optimizer's state."""
+        self.shards = Shards(self._binding, self.model, self.optimizer, self.config.stage, self.ranks)
+        self._owned = self.shards.state
+        self._by_storage = self._storage_index()
+
+    def _storage_index(self) -> dict[int, str]:
+        """Where each parameter's memory is -> its name; stage 3's parameters hold none, and are known by identity."""
+        return {p.untyped_storage().data_ptr(): fqn for fqn, p in self._binding.params.items()
+                if p.untyped_storage().nbytes()}
+
+    @property
+    def layouts(self) -> dict:
+        """fqn -> `ParamLayout` of each parameter stored as shards (none at stage 0)."""
+        return self.shards.layouts if self.shards is not None else {}
 
     def slot_of(self, value) -> Slot | None:
         """What a compiled region's input is: one of this model's parameters or buffers, or None."""
@@ -67,19 +90,29 @@ class Prepared:
         self._pending.extend(records)
         self._reduced |= reduced
 
+    def _note_accumulated(self, fqn: str, p: nn.Parameter) -> None:
+        # autograd calls the hook also where a compiled backward handed the gradient to a shard instead (None here)
+        if p.grad is not None:
+            self._accumulated.add(fqn)
+
     def _check_reduced(self) -> None:
         """Before the update: every gradient autograd produced came through a compiled backward, which communicated
         it. A parameter read only outside the compiled regions (where Dynamo fell back to eager) would be updated
         from this rank's gradient alone."""
-        missed = sorted(self._accumulated - self._reduced)
+        # from stage 1 on the optimizer updates shards, and only compiled backwards hand gradients to them
+        missed = sorted(self._accumulated if self.shards is not None else self._accumulated - self._reduced)
         if missed and self.ranks.size > 1:
+            where = "outside every compiled region, so no rank averaged them" if self.shards is None else \
+                "outside the compiled regions, where no rank averages them and the optimizer's shards never see them"
             raise RuntimeError(
-                f"zerofx.backend: the gradients of {missed} were computed outside every compiled region, so no rank "
-                "averaged them; the model's forward reads these parameters where torch.compile ran eagerly (a "
-                "graph break it could not resume from, such as one inside a loop). Call "
-                "zerofx.prepared(model).graph_breaks(*inputs) to see where, and move the break out of the loop")
+                f"zerofx.backend: the gradients of {missed} were computed {where}; the model's forward reads these "
+                "parameters where torch.compile ran eagerly (a graph break it could not resume from, such as one "
+                "inside a loop). Call zerofx.prepared(model).graph_breaks(*inputs) to see where, and move the break "
+                "out of the loop")
 
     def _end_step(self) -> None:
+        if self.shards is not None:
+            self._pending += self.shards.after_update(self.bucket_bytes)
         self.last_records, self._pending = self._pending, []
         self._accumulated, self._reduced = set(), set()
 
@@ -93,8 +126,10 @@ class Prepared:
     def graph_breaks(self, *args, **kwargs) -> list[str]:
         """Where torch.compile splits the model's forward on these inputs, each break as ``torch._dynamo.explain``
         gives it: the reason and the line of user code. Runs the forward once, without zerofx, and clears
-        torch.compile's caches (``explain`` does), so the compiled model compiles again on its next call."""
-        explained = torch._dynamo.explain(self.model)(*args, **kwargs)
+        torch.compile's caches (``explain`` does), so the compiled model compiles again on its next call. At stage 3
+        the parameters are gathered for that run. Every rank calls it."""
+        with self.shards.gathered(self._binding) if self.shards is not None else contextlib.nullcontext():
+            explained = torch._dynamo.explain(self.model)(*args, **kwargs)
         return [_describe_break(b) for b in explained.break_reasons]
 
     def state_dict(self) -> dict:
@@ -116,23 +151,24 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
     """Make ``model`` and ``optimizer`` ready for ``torch.compile(model, backend=zerofx.backend(stage=...))`` and
     return the two objects to keep using: every rank starts from the first rank's parameters and buffers, as DDP
     does, and the optimizer's state exists before its first step (as torch.optim would create it), so a checkpoint
-    can be loaded into it (``zerofx.checkpoint.load(zerofx.prepared(model), ...)``). Every rank calls it, once,
-    before the model first runs."""
+    can be loaded into it (``zerofx.checkpoint.load(zerofx.prepared(model), ...)``). From ``stage`` 1 on the
+    optimizer's ``param_groups`` then hold this rank's shards in place of the trainable parameters (its state, and
+    the gradients ``optimizer.zero_grad()`` clears, are theirs), and at stage 3 the model's parameters keep their
+    shapes but no memory (`zerofx.backend.shards`). Every rank calls it, once, before the model first runs."""
     if mixed_precision is not None:
         raise NotImplementedError("zerofx.prepare: mixed_precision is not supported by the backend path yet; use "
                                   "zerofx.compile for mixed precision")
     if mesh is not None:
         raise NotImplementedError("zerofx.prepare: mesh= is not supported by the backend path yet; use "
                                   "zerofx.compile for tensor parallelism")
-    if stage != 0:
-        raise NotImplementedError(f"zerofx.prepare: stage {stage} is not supported by the backend path yet "
-                                  "(stage 0 is); use zerofx.compile for stages 1-3")
     if model in _PREPARED:
         raise ValueError("zerofx.prepare: this model was prepared already")
     prepared = Prepared(model, optimizer, Config(stage=stage, mixed_precision=mixed_precision, mesh=mesh))
     optim_support.init_lazy_state(optimizer)
     if prepared.ranks.size > 1:
         runtime.sync_module_states(prepared._binding, prepared.ranks.group)
+    if stage >= 1:
+        prepared.shard()
     _PREPARED[model] = prepared
     return model, optimizer
 
