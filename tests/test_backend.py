@@ -31,7 +31,9 @@ def test_eager_loop_around_the_backend_matches_ddp(beside_ddp, stage):
 def test_backend_issues_the_whole_step_paths_collectives_and_dumps_its_graphs(beside_ddp, stage, last_pass,
                                                                               collectives):
     result = beside_ddp[stage]
-    assert result["backend"] == result["whole_step"]
+    # the same collectives; their order may differ where schedule_collectives moves one off a graph's peak, and the
+    # backend's forward and backward are two graphs with peaks of their own
+    assert sorted(result["backend"], key=repr) == sorted(result["whole_step"], key=repr)
     assert result["volumes"][0] == result["volumes"][1] > 0
     backward = result["dump_dir"] / "region0" / "backward"
     assert (backward / "00_aot.py").exists() and (result["dump_dir"] / "region0" / "forward" / "00_aot.py").exists()
