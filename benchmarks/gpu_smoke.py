@@ -3,7 +3,8 @@ stage 0 as the loop is usually written and at stage 3 with zero_grad after the u
 stage 3 in bf16 (casts of the masters gathered) trains and stays within bf16 rounding of eager; stage 3 with every
 block checkpointed and its checkpoints offloaded to pinned host memory matches eager too; stage 0 and stage 3 with
 ``memory_plan`` (intermediates in one arena) match eager, and each line prints ``max_memory_reserved`` beside
-``max_memory_allocated``, planned and unplanned.
+``max_memory_allocated``, planned and unplanned; the same eager loops around ``torch.compile(model,
+backend=zerofx.backend(...))`` at stages 0 and 3 match eager.
 
     python benchmarks/gpu_smoke.py
 
@@ -38,6 +39,24 @@ def zero_grad_last(model, optimizer, x, y):
     return loss
 
 
+def through_backend(stage):
+    """``fn`` as written, around the model and optimizer prepared for ``stage`` and the model compiled with zerofx's
+    backend (on the first call, when the model exists)."""
+    def make_step(fn):
+        prepared = {}
+
+        def step(model, optimizer, x, y):
+            if not prepared:
+                model, optimizer = zerofx.prepare(model, optimizer, stage=stage)
+                prepared.update(model=torch.compile(model, backend=zerofx.backend(stage=stage)), optimizer=optimizer)
+            return fn(prepared["model"], prepared["optimizer"], x, y)
+
+        step.prepared = prepared
+        return step
+
+    return make_step
+
+
 def run(name, cfg, device, make_step, fn):
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -60,7 +79,12 @@ def run(name, cfg, device, make_step, fn):
           f"{torch.cuda.max_memory_reserved() / 2**20:.1f} MiB")
     torch.cuda.empty_cache()  # reserved memory is measured per check
     torch.cuda.reset_peak_memory_stats()
-    full = zerofx.full_state_dict(step)["model"] if isinstance(step, zerofx.CompiledStep) else model.state_dict()
+    if isinstance(step, zerofx.CompiledStep):
+        full = zerofx.full_state_dict(step)["model"]
+    elif getattr(step, "prepared", None):
+        full = zerofx.full_state_dict(zerofx.prepared(step.prepared["model"]))["model"]
+    else:
+        full = model.state_dict()
     return losses, full
 
 
@@ -78,8 +102,12 @@ def main() -> None:
                {"stage": 3, "checkpoint": "blocks", "offload_activations": True}, 1e-4),
               ("zerofx stage 0 memory_plan", train_step, {"stage": 0, "memory_plan": True}, 1e-4),
               ("zerofx stage 3 memory_plan", zero_grad_last, {"stage": 3, "memory_plan": True}, 1e-4)]
-    for name, fn, kwargs, rtol in checks:
-        losses, state = run(name, cfg, device, lambda f, kwargs=kwargs: zerofx.compile(f, **kwargs), fn)
+    steps = [(name, fn, lambda f, kwargs=kwargs: zerofx.compile(f, **kwargs), rtol)
+             for name, fn, kwargs, rtol in checks]
+    steps += [(f"backend stage {stage}", fn, through_backend(stage), 1e-4)
+              for stage, fn in ((0, train_step), (3, zero_grad_last))]
+    for name, fn, make_step, rtol in steps:
+        losses, state = run(name, cfg, device, make_step, fn)
         ref_losses, ref_state = eager[fn.__name__]
         torch.testing.assert_close(losses, ref_losses, rtol=rtol, atol=1e-5)
         if rtol < 1e-3:
