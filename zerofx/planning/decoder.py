@@ -3,7 +3,8 @@ so that no weight is ever allocated.
 
 Attention projects q, k and v separately and counts heads from the width it receives, so that splitting the
 projections' output features over tensor-parallel ranks (`tensor_parallel_plan`, as Megatron-LM splits them) splits
-whole heads. ``forward(tokens, targets)`` returns the mean cross-entropy loss.
+whole heads. ``forward(tokens, targets)`` returns the mean cross-entropy loss. `plan_decoder` plans its training
+step with AdamW.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from zerofx.planning.predict import plan
 from zerofx.planning.shapes import GPT2, ModelShape
+from zerofx.stats import StepStats
 
 
 class Attention(nn.Module):
@@ -107,10 +110,10 @@ def tensor_parallel_plan(shape: ModelShape) -> dict:
     return plan
 
 
-def build(shape: ModelShape, tp_mesh=None) -> Decoder:
-    """The model on the meta device; its blocks split over ``tp_mesh`` when one is given."""
+def build(shape: ModelShape, tp_mesh=None, dtype: torch.dtype = torch.float32) -> Decoder:
+    """The model on the meta device in ``dtype``; its blocks split over ``tp_mesh`` when one is given."""
     with torch.device("meta"):
-        model = Decoder(shape)
+        model = Decoder(shape).to(dtype)
     if tp_mesh is not None:
         if shape.n_head % tp_mesh.size() or shape.kv_heads % tp_mesh.size():
             raise ValueError(f"tp={tp_mesh.size()} must divide the model's {shape.n_head} heads "
@@ -118,3 +121,33 @@ def build(shape: ModelShape, tp_mesh=None) -> Decoder:
         for block in model.blocks:
             parallelize_module(block, tp_mesh, tensor_parallel_plan(shape))
     return model
+
+
+def train_step(model, optimizer, tokens, targets):
+    """The step the planner traces: forward, backward and the update, as a training loop runs it."""
+    optimizer.zero_grad()
+    loss = model(tokens, targets)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def num_params(shape: ModelShape) -> int:
+    """Ψ: the distinct parameters of the model (a tied embedding once), counted on meta."""
+    return sum(p.numel() for p in build(shape).parameters())
+
+
+def plan_decoder(shape: ModelShape, *, world_size: int, stage: int, tp: int = 1, batch: int = 1,
+                 seq: int | None = None, dtype: torch.dtype = torch.float32, **options) -> StepStats:
+    """`plan` of `train_step` for ``shape`` with AdamW, ``batch`` sequences of ``seq`` tokens (the model's longest
+    by default) per data-parallel rank, and ``world_size / tp`` data-parallel ranks of ``tp`` tensor-parallel ones;
+    parameters (and so gradients and optimizer state) in ``dtype``; ``options`` as `plan` takes them."""
+    seq = seq or shape.max_seq
+    if not 1 <= seq <= shape.max_seq:
+        raise ValueError(f"seq must be between 1 and the model's {shape.max_seq} positions, got {seq}")
+    if batch < 1:
+        raise ValueError(f"batch must be positive, got {batch}")
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return plan(train_step, lambda tp_mesh: build(shape, tp_mesh, dtype), lambda m: torch.optim.AdamW(m.parameters()),
+                (tokens, tokens), world_size=world_size, stage=stage,
+                mesh_shape=(world_size // tp, tp) if tp > 1 else None, **options)

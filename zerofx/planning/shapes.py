@@ -114,6 +114,6 @@ def model_shape(model: str) -> ModelShape:
                          "transformers is not installed to read it as a Hugging Face config") from None
     try:
         return from_hf_config(AutoConfig.from_pretrained(model))
-    except OSError as e:
+    except (OSError, ValueError) as e:  # no such model or directory; a name that cannot be a Hugging Face id
         raise ValueError(f"model: {model!r} is not one of {', '.join(KNOWN)}, a size such as 7.5B, nor a Hugging "
                          f"Face config that could be read ({e})") from None
