@@ -1,7 +1,7 @@
 """``zerofx.plan`` at the paper's scales, against the paper's figures (ZeRO, Rajbhandari et al. 2020), on one CPU.
 
-    python benchmarks/plan_at_scale.py [paper_table] [max_model] [one_trillion] [activations] [tensor_parallel]
-        [time_and_memory]
+    python benchmarks/plan_at_scale.py [paper_table] [max_model] [max_model_with_activations] [one_trillion]
+        [activations] [tensor_parallel] [time_and_memory]
 
 Every figure is a plan: the model is built on the meta device and its whole training step (AdamW; bf16 mixed
 precision unless said) traced and passed through the stage's passes for rank 0 of the world shown. Sizes in GB of
@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.planning.decoder import num_params, plan_decoder
-from zerofx.planning.search import deepest
+from zerofx.planning.search import SHALLOW, deepest
 from zerofx.planning.shapes import gpt_of_size, model_shape
 
 GB = 1e9
@@ -70,6 +70,21 @@ def max_model() -> None:
                                   "seconds"], disable_numparse=True))
 
 
+def max_model_with_activations() -> None:
+    """The same search by the peak (model states, activations and the rest) at 1 × 1024 tokens per rank, from the line
+    through plans at 2 and 4 blocks (not confirmed by a plan of the model found)."""
+    shape = gpt_of_size("7.5B")
+    rows = []
+    for stage in (1, 2, 3):
+        def peak(s, stage=stage):
+            return plan_decoder(s, world_size=64, stage=stage, batch=1, seq=1024, **MIXED).peak_bytes
+
+        depth = deepest(shape, peak, 32 * 10**9)
+        rows.append([stage, depth, f"{num_params(shape.with_depth(depth)) / 1e9:.1f}B"])
+    print(f"\n## Largest model whose peak fits 32 GB at 1 x 1024 tokens per rank, N_d = 64 (d_model {shape.d_model})")
+    print(tabulate(rows, headers=["stage", "layers", "Ψ"], disable_numparse=True))
+
+
 def one_trillion() -> None:
     shape = gpt_of_size("1T")
     started = time.perf_counter()
@@ -96,7 +111,9 @@ def activations() -> None:
 
 def tensor_parallel() -> None:
     """Checkpoints of the paper's 100B model at batch 32 × 1024 tokens split over 16 tensor-parallel ranks (bf16
-    parameters: zerofx's tensor parallelism runs without mixed precision)."""
+    parameters: zerofx's tensor parallelism runs without mixed precision). Every block keeps the same checkpoints, so
+    plans of the model at 2 and 4 blocks give the bytes per block, and so the full depth's (a plan of all 124 blocks
+    traces DTensor's dispatch for each, for many minutes on this CPU)."""
     shape = gpt_of_size("100B")
     variants = {"blocks": {"checkpoint": "blocks"},
                 "P_a": {"checkpoint": "blocks", "partition_activations": True},
@@ -105,15 +122,23 @@ def tensor_parallel() -> None:
     for (name, options), paper in zip(variants.items(), PAPER["checkpoints, 100B, batch 32, seq 1024, MP 16: "
                                                                "blocks / P_a / P_a+cpu on device (GB)"]):
         started = time.perf_counter()
-        stats = plan_decoder(shape, world_size=16, tp=16, stage=0, batch=32, seq=1024, dtype=torch.bfloat16,
-                             **options)
-        rows.append([name, f"{stats.resident_checkpoint_bytes / GB:.2f}", paper,
-                     f"{stats.offloaded_bytes / GB:.2f}", f"{stats.checkpoint_bytes / GB:.2f}",
+        plans = [plan_decoder(shape.with_depth(depth), world_size=16, tp=16, stage=0, batch=32, seq=1024,
+                              dtype=torch.bfloat16, **options) for depth in SHALLOW]
+        device, host = (_full_depth(shape, [getattr(p, figure) for p in plans])
+                        for figure in ("resident_checkpoint_bytes", "offloaded_bytes"))
+        per_block = (plans[1].checkpoint_bytes - plans[0].checkpoint_bytes) / (SHALLOW[1] - SHALLOW[0])
+        rows.append([name, f"{device / GB:.2f}", paper, f"{host / GB:.2f}", f"{per_block / 1e6:.0f}",
                      f"{time.perf_counter() - started:.0f}"])
     print(f"\n## Checkpoints per rank: {shape.name} ({shape.n_layer} layers, d_model {shape.d_model}), tp = 16, "
-          "batch 32 x 1024 tokens, bf16")
+          "batch 32 x 1024 tokens, bf16 (from plans at 2 and 4 blocks)")
     print(tabulate(rows, headers=["variant", "on the device (GB)", "paper (GB)", "in host memory (GB)",
-                                  "full checkpoints (GB)", "seconds"], disable_numparse=True))
+                                  "full checkpoints per block (MB)", "seconds"], disable_numparse=True))
+
+
+def _full_depth(shape, at_shallow: list[int]) -> float:
+    """A figure that grows by the same bytes per block, at the model's depth, from its values at `SHALLOW`."""
+    (d1, d2), (b1, b2) = SHALLOW, at_shallow
+    return b1 + (b2 - b1) / (d2 - d1) * (shape.n_layer - d1)
 
 
 def time_and_memory() -> None:
@@ -132,8 +157,8 @@ def time_and_memory() -> None:
     print(tabulate(rows, headers=["command", "seconds", "peak RSS (GiB)"], disable_numparse=True))
 
 
-SECTIONS = {f.__name__: f for f in (paper_table, max_model, one_trillion, activations, tensor_parallel,
-                                    time_and_memory)}
+SECTIONS = {f.__name__: f for f in (paper_table, max_model, max_model_with_activations, one_trillion, activations,
+                                    tensor_parallel, time_and_memory)}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or SECTIONS:

@@ -121,7 +121,7 @@ def _title(shape: ModelShape, world: int, options: dict, with_size: bool = True)
     extras = [name for name, flag in (("checkpointed blocks", options.get("checkpoint")),
                                       ("P_a", options.get("partition_activations")),
                                       ("offloaded checkpoints", options.get("offload_activations"))) if flag]
-    return ", ".join(parts + extras) + "; GB per rank"
+    return ", ".join(parts + extras) + "; bytes per rank"
 
 
 def _gb(nbytes: int | None) -> str:

@@ -10,7 +10,7 @@ and records every collective the rank would issue. Bytes then come from the fina
 - peak: the most bytes alive at once, inputs included;
 - activations: the most bytes of activations and activation checkpoints alive at once while forward and backward run
   (everything the step allocates that is not a model state, a gathered parameter or a communication buffer). Attention
-  counts as the fused kernel a real run uses (`attention`): per layer it keeps its output and one fp32 log-sum-exp
+  counts as the fused kernel a real run uses (`on_meta`): per layer it keeps its output and one fp32 log-sum-exp
   per query and head, never T × T scores;
 - checkpoints: the most checkpoint bytes resident on the device at once, and in host memory (offloaded).
 """
@@ -27,12 +27,12 @@ import torch.nn as nn
 from zerofx.api import compile as compile_step
 from zerofx.memory.lifetimes import Lifetime, lifetimes, peak_live, step_device
 from zerofx.memory.timeline import live_by_category
-from zerofx.planning.attention import FusedAttentionOnMeta
+from zerofx.planning.on_meta import OnMeta
 from zerofx.planning.fake_world import fake_world
 from zerofx.stats import StepStats
 from zerofx.step_graph import Phase, tag
 
-MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
+_MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
 _ACTIVATIONS = ("activations", "checkpoints")
 
 
@@ -64,7 +64,7 @@ def plan(train_step: Callable, model, optimizer, example_batch: tuple, *, world_
         batch = tuple(torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t
                       for t in example_batch)
         step = compile_step(train_step, stage=stage, mesh=mesh, verify_ranks=False, **options)
-        with FusedAttentionOnMeta():
+        with OnMeta():
             step(model, optimizer, *batch)
         return predicted(step.stats(), step.graph().graph)
 
@@ -89,7 +89,7 @@ def predicted(stats: StepStats, graph: fx.Graph) -> StepStats:
     states = {name: sum(s.nbytes for s in spans if s.is_input and s.category == name)
               for name in ("params", "master_params", "optimizer_states")}
     states["grads"] = _alive_at(spans, "grads", end_of_backward)
-    states["total"] = sum(states[name] for name in MODEL_STATES)
+    states["total"] = sum(states[name] for name in _MODEL_STATES)
     zero = [0] * len(nodes)
     activations = [sum(live.get(c, zero)[i] for c in _ACTIVATIONS) for i in forward_backward]
     host = live_by_category([s for s in spans if s.device != device], len(nodes)).get("offloaded")
