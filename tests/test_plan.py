@@ -1,5 +1,5 @@
 """``zerofx.plan``: predictions for a world of any size from the step's graph, checked against runs that really
-happen here, and against the paper's figures."""
+happen here and against the paper's formula (its figures at scale: benchmarks/plan_at_scale.py)."""
 
 import pytest
 import torch
@@ -12,9 +12,9 @@ from models import token_batch, train_step
 from nanogpt import GPT
 from zerofx.__main__ import main
 from zerofx.planning import KNOWN, from_hf_config, gpt_of_size, model_shape
-from zerofx.planning.on_meta import OnMeta
 from zerofx.planning.cli import parse_bytes
 from zerofx.planning.decoder import num_params, plan_decoder
+from zerofx.planning.on_meta import OnMeta
 from zerofx.planning.search import deepest
 
 
