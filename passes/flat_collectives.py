@@ -99,9 +99,10 @@ def all_gather_bucket(graph: fx.Graph, shards: list[fx.Node], layouts: list[Para
                       like: fx.Node, phase: Phase | None = None) -> fx.Node:
     """Issue the all-gather of the concatenated shards. Shapes come from the layouts: the shards' own metadata may
     still be the full parameter's until ``propagate_shard_shapes`` runs."""
+    device = shards[0].meta["val"].device
     with fake_mode_of(graph):
-        send_val = torch.empty(sum(l.shard_numel for l in layouts), dtype=layouts[0].dtype)
-        gathered_val = torch.empty(send_val.numel() * ctx.world_size, dtype=layouts[0].dtype)
+        send_val = torch.empty(sum(l.shard_numel for l in layouts), dtype=layouts[0].dtype, device=device)
+        gathered_val = torch.empty(send_val.numel() * ctx.world_size, dtype=layouts[0].dtype, device=device)
     send = add_call(graph, aten.cat.default, (shards,), like=like, phase=phase, val=send_val) \
         if len(shards) > 1 else shards[0]
     node = add_call(graph, collectives.all_gather, (send, ctx.group_name, ctx.world_size), like=like, phase=phase,
@@ -113,8 +114,9 @@ def all_gather_params(graph: fx.Graph, shards: list[fx.Node], layouts: list[Para
                       like: fx.Node, phase: Phase | None = None) -> fx.Node:
     """Issue one all-gather of the parameters' shards into one buffer per parameter (the padded flat parameter, since
     rank r's chunk is its r-th): nothing is packed before or copied out after."""
+    device = shards[0].meta["val"].device
     with fake_mode_of(graph):
-        vals = [torch.empty(l.padded_numel, dtype=l.dtype) for l in layouts]
+        vals = [torch.empty(l.padded_numel, dtype=l.dtype, device=device) for l in layouts]
     node = add_call(graph, collectives.all_gather_coalesced, (shards, ctx.group_name, ctx.world_size), like=like,
                     phase=phase, val=vals)
     return categorize(node, "gathered_param")

@@ -53,7 +53,7 @@ def shard_optimizer_state(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         _refuse_reads_after_the_update(fqn, users)
         with fake_mode:
             p.meta["val"] = torch.empty(layout.padded_numel if ctx.stage < 3 else layout.shard_numel,
-                                        dtype=layout.dtype)
+                                        dtype=layout.dtype, device=p.meta["val"].device)
         if ctx.stage >= 3:
             p.meta[SHARD] = True
             continue
@@ -70,7 +70,8 @@ def shard_optimizer_state(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
 
     for fqn, state in _param_shaped_state(sg, layouts):
         with fake_mode:
-            state.meta["val"] = torch.empty(layouts[fqn].shard_numel, dtype=state.meta["val"].dtype)
+            state.meta["val"] = torch.empty(layouts[fqn].shard_numel, dtype=state.meta["val"].dtype,
+                                            device=state.meta["val"].device)
         state.meta[SHARD] = True
 
     output = sg.output

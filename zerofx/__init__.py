@@ -16,6 +16,7 @@ from zerofx.collectives import CollectiveRecord
 from zerofx.errors import CaptureError, CheckpointError, RankMismatchError
 from zerofx.memory import LiveStorageTracker
 from zerofx.mixed_precision import LossScaling, MixedPrecision
+from zerofx.planning import plan
 from zerofx.report import report
 from zerofx.state_dict import full_state_dict, load_state_dict, state_dict
 from zerofx.stats import StepStats
@@ -24,5 +25,5 @@ __all__ = [
     "compile", "CompiledStep", "Config", "MixedPrecision", "LossScaling", "CaptureError", "CheckpointError",
     "RankMismatchError",
     "state_dict", "load_state_dict", "full_state_dict", "checkpoint", "StepStats", "CollectiveRecord",
-    "LiveStorageTracker", "report", "passes", "backend", "prepare", "prepared",
+    "LiveStorageTracker", "plan", "report", "passes", "backend", "prepare", "prepared",
 ]

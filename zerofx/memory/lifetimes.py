@@ -6,7 +6,8 @@ result, a collective's ``wait`` (so a collective's output lives until it is wait
 input until its wait: zerofx's waits take it as an argument for that reason, and the input of a functional collective
 DTensor issued counts as read at its ``wait_tensor``). The step's inputs (parameters or their shards,
 optimizer state, the batch) exist before the step and after it; what the graph returns lives to the end. Each buffer
-has its bytes and its class, the categories the memory reports use (``zerofx.memory.tracking``).
+has its bytes and its class, the categories the memory reports use (``zerofx.memory.tracking``); as there, a buffer
+that a gradient or a gathered parameter aliases (a view of the ``mm`` that computed it) is of that class.
 
 Lifetimes are half-open positions ``[start, end)`` over the graph's nodes, as `zerofx.memory.plan` takes them.
 """
@@ -28,6 +29,7 @@ from zerofx.memory.tracking import category_of
 from zerofx.step_graph import aliases_first_arg
 
 _ALIASING_CALLS = (collectives.wait,)  # Python functions in the graph that return their first argument
+_CLAIMING = ("grads", "gathered_params")  # classes an alias gives the buffer it views (`StepProbe` does the same)
 
 
 @dataclass(frozen=True)
@@ -56,18 +58,24 @@ def lifetimes(graph: fx.Graph) -> list[Lifetime]:
     buffers = _Buffers()
     last_use: dict[tuple[fx.Node, int | None], int] = {}
     defined: list[tuple[fx.Node, int | None, torch.Tensor]] = []
+    claimed: dict[tuple[fx.Node, int | None], str] = {}  # buffers an alias gives its class
     for node in nodes:
         used_until = len(nodes) - 1 if node.op == "output" else position[node]  # returned: alive to the end
         for key in buffers.read_by(node) | buffers.read_by(_functional_collective_waited(node)):
             last_use[key] = used_until
-        if node.op != "output" and not buffers.follow(node):
+        if node.op == "output":
+            continue
+        if not buffers.follow(node):
             defined += buffers.define(node)
+        elif category_of(node) in _CLAIMING:
+            claimed.update((key, category_of(node)) for key in buffers.keys[node] if key is not None)
     out = []
     for node, index, val in defined:
         placeholder = node.op == "placeholder"
         start = 0 if placeholder else position[node]
         end = len(nodes) if placeholder else max(last_use.get((node, index), start), start) + 1
-        out.append(Lifetime(node.name, index, val.untyped_storage().nbytes(), start, end, category_of(node), val.device,
+        category = claimed.get((node, index), category_of(node))
+        out.append(Lifetime(node.name, index, val.untyped_storage().nbytes(), start, end, category, val.device,
                             placeholder))
     return out
 

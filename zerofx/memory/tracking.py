@@ -139,8 +139,8 @@ class StepProbe(fx.Interpreter):
         return result
 
 
-_INPUT_CATEGORY = {Role.PARAM: "params", Role.OPT_STATE: "optimizer_states", Role.BATCH: "batch",
-                   Role.BUFFER: "buffers", Role.GRAD_IN: "grads", Role.ARENA: "arena"}
+_INPUT_CATEGORY = {Role.PARAM: "params", Role.MASTER: "master_params", Role.OPT_STATE: "optimizer_states",
+                   Role.BATCH: "batch", Role.BUFFER: "buffers", Role.GRAD_IN: "grads", Role.ARENA: "arena"}
 _PASS_CATEGORY = {"gathered_param": "gathered_params", "comm_buffer": "comm_buffers", "offloaded": "offloaded",
                   "checkpoint": "checkpoints"}
 
