@@ -18,7 +18,7 @@ import numpy as np
 import torch.fx as fx
 
 from zerofx import collectives
-from zerofx.memory.lifetimes import Lifetime, lifetimes, live_bytes
+from zerofx.memory.lifetimes import Lifetime, lifetimes, live_bytes, step_device
 from zerofx.passes.context import PassContext
 from zerofx.step_graph import storage_root
 
@@ -38,12 +38,13 @@ def schedule_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     by ``zerofx.collectives.wait(result, sent)``. Guarantees: every node still follows its inputs and precedes its
     users. While the step's peak (by lifetimes) lies in the window of a wait that is the last reader of what its
     collective sent (its inputs to where it was) or of an issue whose results nothing reads for a while (where it was
-    to its first reader), such nodes move to where their window's most bytes alive at once are fewest, as long as
-    that lowers the peak; a prefetch may then be issued later than ``ctx.prefetch`` units ahead. The same graph gives
+    to its first reader, or to a node that touches what it sends), such nodes move to where their window's most bytes
+    alive at once are fewest, as long as that lowers the peak on the step's device (else nothing moves); a prefetch
+    may then be issued later than ``ctx.prefetch`` units ahead. The same graph gives
     the same moves on every rank. Leaves ``ctx.artifacts["collectives_moved"]``."""
     graph = gm.graph
     nodes = list(graph.nodes)
-    spans = lifetimes(graph)
+    spans = _on_the_step_device(lifetimes(graph))
     live = live_bytes(spans, len(nodes))
     unmoved_peak = live.max(initial=0)
     windows = _windows(nodes, spans)
@@ -59,17 +60,32 @@ def schedule_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         places.update(moves)
         live = trial
     places = {node: (anchor, where) for node, (anchor, where) in places.items() if anchor not in places}
-    undo = [(node, node.prev) for node in places]
-    for node, (anchor, where) in places.items():
-        anchor.prepend(node) if where == "before" else anchor.append(node)
-    if places and (not _ordered(graph) or live_bytes(lifetimes(graph), len(nodes)).max() > unmoved_peak):
-        for node, prev in reversed(undo):
-            prev.append(node)
+    _place(places)
+    if places and (not _ordered(graph)
+                   or live_bytes(_on_the_step_device(lifetimes(graph)), len(nodes)).max() >= unmoved_peak):
+        for earlier, later in zip(nodes, nodes[1:]):  # back to the order as it was
+            earlier.append(later)
         places = {}
     ctx.artifacts["collectives_moved"] = len(places)
     if places:
         gm.recompile()
     return gm
+
+
+def _on_the_step_device(spans: list[Lifetime]) -> list[Lifetime]:
+    """The peak that matters is the device's: host copies (offloaded checkpoints) are held apart."""
+    device = step_device(spans)
+    return [s for s in spans if s.device == device]
+
+
+def _place(places: dict[fx.Node, tuple[fx.Node, str]]) -> None:
+    """Move each node before or after its anchor; nodes sharing an anchor keep their order among themselves."""
+    for node, (anchor, where) in places.items():
+        if where == "before":  # in graph order: each goes just before the anchor, after the ones already there
+            anchor.prepend(node)
+    for node, (anchor, where) in reversed(places.items()):
+        if where == "after":  # in reverse graph order: each goes just after the anchor, before those placed already
+            anchor.append(node)
 
 
 def _windows(nodes: list[fx.Node], spans: list[Lifetime]) -> list[_Window]:
@@ -79,7 +95,7 @@ def _windows(nodes: list[fx.Node], spans: list[Lifetime]) -> list[_Window]:
         defined.setdefault(span.node, []).append(span)
     waits = [w for w in (_wait_window(n, position, defined) for n in nodes) if w is not None]
     waited_early = {_issue_of(w.node) for w in waits}  # such a collective's issue stays: its bytes die at its wait
-    issues = [w for w in (_issue_window(n, position, defined) for n in nodes if n not in waited_early)
+    issues = [w for w in (_issue_window(n, position, defined, nodes) for n in nodes if n not in waited_early)
               if w is not None]
     return waits + issues
 
@@ -96,13 +112,19 @@ def _wait_window(node: fx.Node, position: dict, defined: dict) -> _Window | None
     return _Window(node, first, position[node], sum(s.nbytes for s in sent), frees=True)
 
 
-def _issue_window(node: fx.Node, position: dict, defined: dict) -> _Window | None:
-    """A collective whose results are first read later may be issued up to just before that read."""
+def _issue_window(node: fx.Node, position: dict, defined: dict, nodes: list[fx.Node]) -> _Window | None:
+    """A collective whose results are first read later may be issued up to just before that read, or before any
+    node that reads or writes what it sends (an in-place update, an average divided in place at issue)."""
     if node.op != "call_function" or node.target not in collectives.COLLECTIVES or not node.users:
         return None
     born = [s for s in defined.get(node.name, []) if s.start == position[node]]
-    first_read = min(position[u] for u in node.users)
-    return _Window(node, position[node], first_read - 1, sum(s.nbytes for s in born), frees=False)
+    last = min(position[u] for u in node.users) - 1
+    sent = {storage_root(a) for a in node.all_input_nodes}
+    for later in nodes[position[node] + 1:last + 1]:  # what it sends is read (or written) there: it stays before
+        if any(storage_root(a) in sent for a in later.all_input_nodes):
+            last = position[later] - 1
+            break
+    return _Window(node, position[node], last, sum(s.nbytes for s in born), frees=False)
 
 
 def _issue_of(wait: fx.Node) -> fx.Node:

@@ -36,7 +36,8 @@ def test_pipeline_lists_its_passes():
 
 def test_fold_aliases_drops_detach_and_double_transposes_and_computes_the_same_step():
     """The captured GPT step has both kinds, and views of views; folded, it has none of the first two, fewer of the
-    third, and its outputs (losses, updated state) are bitwise those of the graph as captured, on the same inputs."""
+    third; the same nodes carry the gradients and the step's outputs, and its outputs and the state it updates in
+    place are bitwise those of the graph as captured, on the same inputs."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from zerofx.passes.fold_aliases import fold_aliases
@@ -54,16 +55,20 @@ def test_fold_aliases_drops_detach_and_double_transposes_and_computes_the_same_s
     assert _calls(gm, torch.ops.aten.detach.default) and double_transposes(gm)
     views_before = len(views_of_views(gm))
     inputs = [_stand_in(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
+    roles = (StepGraph(gm).tagged(Role.GRAD).keys(), StepGraph(gm).output_slots())
     with unset_fake_temporarily():
-        want = gm(*_copies(inputs))
+        want_state, got_state = _copies(inputs), _copies(inputs)  # the step updates its state in place
+        want = gm(*want_state)
         ctx = _ctx()
         folded = fold_aliases(gm, ctx)
-        got = folded(*_copies(inputs))
+        got = folded(*got_state)
+    assert (StepGraph(folded).tagged(Role.GRAD).keys(), StepGraph(folded).output_slots()) == roles
+    assert len(want) == len(got)
+    for a, b in zip(want_state + list(want), got_state + list(got)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     assert not _calls(folded, torch.ops.aten.detach.default) and not double_transposes(folded)
     assert len(views_of_views(folded)) < views_before
     assert ctx.artifacts["aliases_folded"] > 0
-    for a, b in zip(want, got):
-        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
 def _stand_in(val):

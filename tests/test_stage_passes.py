@@ -191,23 +191,54 @@ def test_report_shows_measured_next_to_formula():
 def test_collectives_in_flight_move_off_the_peak():
     """Stage 3 by blocks on 4 ranks, blocks checkpointed: before `schedule_collectives` the packed gradients of a
     reduce-scatter in flight are alive at the step's peak (a block's recomputed MLP backward); after it they are not,
-    the peak (by lifetimes) falls by at least their bytes, and every node still follows its inputs."""
+    the peak (by lifetimes) falls by at least their bytes, every node still follows its inputs, and the same graph
+    is moved the same way twice."""
     cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=3, n_head=4, n_embd=128)
     model, opt = gpt_and_adamw(cfg=cfg)
     args = (model, opt, *token_batch(0, 0, batch=8, cfg=cfg))
     binding = StepBinding.from_args(args)
     units = unit_of_params(binding.modules(args), binding.module_prefixes, binding.param_aliases, "blocks")
     captured = capture(train_step, binding, args, checkpoint="blocks").gm
-    spans, peaks = {}, {}
-    for scheduled in (False, True):
+    spans, peaks, orders = {}, {}, []
+    for scheduled in (False, True, True):
         passes = tuple(p for p in pipeline(3).passes if scheduled or p is not schedule_collectives)
         ctx = PassContext(3, 4, "test", 2**20, units=units)
         gm = Pipeline(3, passes).run(copy.deepcopy(captured), ctx)
         gm.graph.lint()
         spans[scheduled] = lifetimes(gm.graph)
         peaks[scheduled] = peak_live(spans[scheduled])
+        orders.append([n.name for n in gm.graph.nodes])
     assert ctx.artifacts["collectives_moved"] > 0
+    assert orders[1] == orders[2] and orders[0] != orders[1]  # the same graph moves the same way (every rank)
     in_flight = {s: [span for span in spans[s] if span.category == "comm_buffers"
                      and span.start <= peaks[s][1] < span.end] for s in (False, True)}
     assert in_flight[False] and not in_flight[True]
     assert peaks[True][0] <= peaks[False][0] - min(span.nbytes for span in in_flight[False])
+
+
+def test_a_collective_is_not_issued_after_a_write_to_what_it_sends():
+    """A buffer all-reduced, then written in place while in flight, then big temporaries (the peak), then the wait:
+    issuing later would lower the peak but send the written value, so the issue stays before the write."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    sent = g.call_function(aten.clone.default, (x,))
+    issued = g.call_function(collectives.all_reduce, (sent, "sum", "test", 2))
+    written = g.call_function(aten.add_.Tensor, (sent, 1.0))
+    big = g.call_function(aten.mul.Tensor, (x, 2.0))
+    total = g.call_function(aten.sum.default, (g.call_function(aten.add.Tensor, (big, 1.0)),))
+    waited = g.call_function(collectives.wait, (issued, sent))
+    g.output((g.call_function(aten.add.Tensor, (sent, waited)), total))
+    with FakeTensorMode():
+        vals = {x: torch.empty(1 << 16)}
+        for node in g.nodes:
+            if node.op == "call_function":
+                vals[node] = vals[x].sum() if node.target is aten.sum.default else vals[x].clone()
+    for node, val in vals.items():
+        node.meta["val"] = val
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    ctx = PassContext(0, 2, "test", 2**20)
+    order = [n.name for n in schedule_collectives(gm, ctx).graph.nodes]
+    assert order.index(issued.name) < order.index(written.name)

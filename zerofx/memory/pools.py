@@ -1,6 +1,6 @@
-"""A step's buffers in one arena, laid out two ways: one joint plan over all of them, or one pool per lifetime class
-(activations, gradients, communication buffers, ...) side by side, so that long- and short-lived classes never share
-bytes. The smaller arena is kept; both sizes are reported."""
+"""A step's buffers in one arena, laid out two ways: one joint plan over all of them, or one pool per class
+(activations, gradients, communication buffers, ...) side by side, in which no two classes ever share bytes. The
+smaller arena is kept; both sizes are reported. This module is the one place that chooses."""
 
 from __future__ import annotations
 
