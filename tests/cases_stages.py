@@ -6,6 +6,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
+from zerofx.memory.lifetimes import lifetimes, live_bytes
 from models import (TINY_GPT, accumulating_train_step, clipped_train_step, gpt_and_adamw, token_batch,
                     train_beside, train_step)
 from nanogpt import GPTConfig
@@ -73,6 +74,12 @@ def _ddp_accumulating(ddp):
     return step
 
 
+def _graph_high_water(step, category):
+    """The most bytes of ``category`` alive at once by the final graph's lifetimes (what the graph's order allows)."""
+    spans = [s for s in lifetimes(step._last.gm.graph) if s.category == category]
+    return int(live_bytes(spans, len(step._last.gm.graph.nodes)).max(initial=0))
+
+
 def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshard_after_forward=True,
                prefetch=1, mixed=False, reduce_fp32=False):
     """One measured step: stats, the layouts, and what CommDebugMode saw dispatched around it."""
@@ -98,6 +105,7 @@ def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshar
         "at_peak": step._last_probe.at_peak,
         "activation_bytes": stats.activation_bytes,
         "high_water": step._last_probe.high_water,
+        "graph_gathered_high_water": _graph_high_water(step, "gathered_params"),
         "comm_vs_formula": stats.comm_vs_formula,
         "formula_comm": stats.formula.evaluate(stats.formula.comm, stats.num_params, world_size),
         "gather_bucket_bytes": [b.nbytes for b in step._last.ctx.artifacts.get("gather_buckets", [])],

@@ -104,8 +104,11 @@ def test_gathered_parameters_stay_within_the_buckets_in_flight(stage3_by_prefetc
     tied_copy = 1952 * 4  # wte: 65 x 30 = 1950 elements, padded to a multiple of 4 ranks, fp32
     assert r["high_water"]["gathered_params"] <= (prefetch + 1) * largest + largest + tied_copy
     if prefetch:  # each bucket gathered further ahead holds one more buffer, at most the largest
-        fewer = stage3_by_prefetch[prefetch - 1]["high_water"]["gathered_params"]
-        assert 0 < r["high_water"]["gathered_params"] - fewer <= largest
+        # compared on the graph's lifetimes: the measured mark can exceed them by a buffer the collective's thread
+        # releases after the graph's last read (+2,176 bytes at prefetch 2 in one loaded run), which says nothing
+        # about where the gathers are placed
+        fewer = stage3_by_prefetch[prefetch - 1]["graph_gathered_high_water"]
+        assert 0 < r["graph_gathered_high_water"] - fewer <= largest
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
