@@ -166,16 +166,9 @@ def live_bytes(spans: list[Lifetime], length: int) -> np.ndarray:
 
 def peak_live(spans: list[Lifetime]) -> tuple[int, int]:
     """(the most bytes alive at once, the first position where they are)."""
-    events: dict[int, int] = {}
-    for s in spans:
-        events[s.start] = events.get(s.start, 0) + s.nbytes
-        events[s.end] = events.get(s.end, 0) - s.nbytes
-    live = best = at = 0
-    for t in sorted(events):
-        live += events[t]
-        if live > best:
-            best, at = live, t
-    return best, at
+    live = live_bytes(spans, max((s.end for s in spans), default=0))
+    at = int(live.argmax()) if len(live) else 0
+    return (int(live[at]) if len(live) else 0), at
 
 
 @dataclass(frozen=True)
