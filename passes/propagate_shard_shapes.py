@@ -35,9 +35,14 @@ def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     """
     fake_mode = fake_mode_of(gm.graph)
     sharded = {n for n in gm.graph.nodes if n.meta.get(SHARD)}
+    # values a pass gave a new ``val``, and those recomputed from them: a node reading none of them keeps its own
+    changed = sharded | {n for n in gm.graph.nodes if n.meta.get(INSERTED)}
     for node in gm.graph.nodes:
         if node.op != "call_function" or tag(node).phase != Phase.OPTIMIZER or node.meta.get(INSERTED):
             continue
+        if not any(a in changed for a in node.all_input_nodes):
+            continue
+        changed.add(node)
         reads_shard = any(a in sharded for a in node.all_input_nodes)
         if reads_shard:
             elementwise = isinstance(node.target, torch._ops.OpOverload) and (

@@ -182,3 +182,18 @@ def test_missing_module_or_optimizer_is_named():
     model, opt = gpt_and_adamw()
     with pytest.raises(zerofx.CaptureError, match="no torch.optim.Optimizer"):
         zerofx.compile(lambda m, x, y: m(x, y))(model, *token_batch(0, 0))
+
+
+def test_graphs_after_each_pass_are_kept_when_asked():
+    """Without ``keep_graphs`` only the final graph stays (copying one per pass is a sixth of the build); asking for
+    another says how to keep it. With it, the graph after capture and after each pass, the last pass's being the
+    final graph."""
+    model, opt = gpt_and_adamw()
+    plain = zerofx.compile(train_step)
+    plain(model, opt, *token_batch(0, 0))
+    with pytest.raises(KeyError, match="keep_graphs=True"):
+        plain.graph("capture")
+    kept = zerofx.compile(train_step, keep_graphs=True)
+    kept(model, opt, *token_batch(1, 0))
+    assert "aten.embedding" in kept.graph("capture").code
+    assert kept.graph("plan_memory").code == kept.graph().code == plain.graph().code

@@ -51,6 +51,7 @@ class Config:
     mesh: object = None  # a DeviceMesh ("dp",) or ("dp", "tp"): ZeRO over "dp", the model's DTensors over "tp"
     partition_activations: bool = False  # P_a: checkpoints replicated over "tp" kept as 1/tp slices
     memory_plan: bool = False  # M_D: intermediates written into one preplanned arena, reused every step
+    keep_graphs: bool = False  # keep the graph after capture and after each pass for step.graph(name)
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -78,14 +79,14 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
             max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = UNIT_CAP_BYTES,
             checkpoint: UnitRule | None = None, activation_budget: float | None = None,
             recompute_pointwise: bool = True, offload_activations: bool = False, mesh=None,
-            partition_activations: bool = False, memory_plan: bool = False):
+            partition_activations: bool = False, memory_plan: bool = False, keep_graphs: bool = False):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
     Usable as ``step = zerofx.compile(train_step, stage=3)`` or as a decorator ``@zerofx.compile(stage=3)``.
     ``mixed_precision=zerofx.MixedPrecision(param_dtype=torch.bfloat16)`` computes and communicates in bf16 with
     fp32 master weights. ``dump_dir`` (or the environment variable ``ZEROFX_DUMP``) writes the graph after capture
-    and after each pass. At most ``max_traces`` graphs are kept (one per guard key, least recently used evicted).
+    and after each pass; ``keep_graphs`` (implied by ``dump_dir``) keeps them for ``step.graph(name)``. At most ``max_traces`` graphs are kept (one per guard key, least recently used evicted).
     Stage 3 gathers parameters, and stages 2-3 reduce-scatter gradients, by the model's ``units`` (each repeated block
     by default; module classes or a predicate ``(path, module) -> bool`` otherwise; at most ``unit_cap_bytes``);
     ``bucket_bytes=N`` instead groups every collective into buckets of at most N bytes. ``checkpoint`` (the same
@@ -107,7 +108,7 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
                     dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision,
                     max_traces, units, unit_cap_bytes, checkpoint, activation_budget, recompute_pointwise,
-                    offload_activations, mesh, partition_activations, memory_plan)
+                    offload_activations, mesh, partition_activations, memory_plan, keep_graphs)
     if train_step is None:
         return functools.partial(CompiledStep, config=config)
     return CompiledStep(train_step, config=config)
@@ -260,7 +261,7 @@ class CompiledStep:
                           partition_activations=c.partition_activations, memory_plan=c.memory_plan)
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
                                  probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint,
-                                 specs=self._specs)
+                                 specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True)
         self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)
@@ -281,11 +282,14 @@ class CompiledStep:
         return getattr(self.train_step, "__name__", None) or repr(self.train_step)
 
     def graph(self, name: str | None = None) -> fx.GraphModule:
-        """The final graph of the last step, or the graph after capture ("capture") or after the named pass."""
+        """The final graph of the last step, or (with ``keep_graphs``) the graph after capture ("capture") or after
+        the named pass."""
         if self._last is None:
             raise RuntimeError("the step has not run yet: call it once before asking for its graph")
         if name is None:
             return self._last.gm
+        if not self._last.snapshots:
+            raise KeyError(f"the graph after {name!r} was not kept: compile with keep_graphs=True (or dump_dir=)")
         if name not in self._last.snapshots:
             raise KeyError(f"no graph named {name!r}; known: {', '.join(self._last.snapshots)}")
         return self._last.snapshots[name].module()

@@ -24,6 +24,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils import stateless
@@ -169,7 +170,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     slots = _drop_unread_grads(gm.graph, slots)
     _hyperparams_as_floats(gm.graph)
     kept = _tag_outputs(gm.graph, out_slots)
-    gm.recompile()
+    # every pass ends with recompile(); a lazy module generates the Python code once, when the step first runs
+    gm = _LazyGraphModule.from_graphmodule(gm)
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"])
 
 

@@ -7,6 +7,7 @@ files shows what a pass did.
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 
 import torch.fx as fx
@@ -50,7 +51,7 @@ def render(gm: fx.GraphModule, title: str) -> str:
     imports += [f"zerofx_collectives_{f.__name__} = zerofx.collectives.{f.__name__}"
                 for f in (*collectives.COLLECTIVES, collectives.wait)]
     body = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    body = body.replace("class <lambda>(torch.nn.Module):", "class Step(torch.nn.Module):", 1)
+    body = re.sub(r"^class \S+\(torch\.nn\.Module\):", "class Step(torch.nn.Module):", body, count=1, flags=re.M)
     return f"{header}\n\n" + "\n".join(imports) + f"\n\n\n{body}"
 
 

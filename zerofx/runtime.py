@@ -36,7 +36,7 @@ class CompiledGraph:
     output_slots: list[Slot]
     left_grads: set[str] = field(default_factory=set)  # parameters whose .grad the step sets; the others it clears
     reads_incoming_grads: bool = False  # the step accumulates into a .grad it finds set (no zero_grad before)
-    snapshots: dict[str, GraphSnapshot] = field(default_factory=dict)  # "capture" and each pass's name
+    snapshots: dict[str, GraphSnapshot] = field(default_factory=dict)  # "capture" and each pass's (keep_graphs)
     verified: bool = False
     _memory_plan: StepMemoryPlan | None = None
     _arena: torch.Tensor | None = None
@@ -119,10 +119,12 @@ def _structure(graph: fx.Graph) -> tuple:
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
           state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool,
-          checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None) -> CompiledGraph:
+          checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None,
+          keep_graphs: bool = False) -> CompiledGraph:
     """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
     learn whether the step reads them; if it reads one that this call does not have, capture again without.
-    ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs."""
+    ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
+    ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build)."""
     override = state.trace_value if state else None
     captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe_grads),
                        checkpoint, specs)
@@ -133,12 +135,13 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
-    snapshots = {"capture": GraphSnapshot.of(captured.gm)}
+    snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
     if dump_dir:
         dump.write(dump_dir, 0, "capture", captured.gm)
 
     def after_each(index: int, name: str, gm: fx.GraphModule) -> None:
-        snapshots[name] = GraphSnapshot.of(gm, previous=snapshots[next(reversed(snapshots))])
+        if keep_graphs:
+            snapshots[name] = GraphSnapshot.of(gm, previous=snapshots[next(reversed(snapshots))])
         if dump_dir:
             dump.write(dump_dir, index, name, gm)
 
