@@ -130,7 +130,8 @@ def test_comm_volume_equals_the_formula_and_commdebugmode_agrees(accounting4, st
         assert 2 * padded * (n - 1) / n < r["comm_volume"] < 3 * padded * (n - 1) / n
     data = [(k, numel) for k, numel, purpose in r["records"] if purpose == "data"]
     counts = r["comm_debug_counts"]
-    for kind, debug_names in [("all_reduce", ("all_reduce",)), ("reduce_scatter", ("reduce_scatter_tensor",)),
+    for kind, debug_names in [("all_reduce", ("all_reduce", "allreduce_")),  # stage 0's data: c10d's, in place
+                              ("reduce_scatter", ("reduce_scatter_tensor",)),
                               ("all_gather", ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"))]:
         ours = sum(1 for k, _ in data if k == kind)
         theirs = sum(v for name, v in counts.items() if name.endswith(debug_names))

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 _c10d = torch.ops._c10d_functional
+_resolve_process_group = torch._C._distributed_c10d._resolve_process_group
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @dataclass(frozen=True)
@@ -76,12 +78,20 @@ def group_name(group: dist.ProcessGroup | None = None) -> str:
 
 
 def all_reduce(tensor: torch.Tensor, op: str, group: str, group_size: int) -> torch.Tensor:
-    """Asynchronous: `wait` on the result before reading it. ``op="avg"`` divides ``tensor`` (in place) first, as
-    DDP's default hook does, so the sum over ranks is the mean. On one rank every collective here is the identity."""
+    """In place and asynchronous: returns ``tensor`` itself; `wait` on it before reading it. ``op="avg"`` divides
+    ``tensor`` first, as DDP's default hook does, so the sum over ranks is the mean. On one rank every collective
+    here is the identity.
+
+    The functional all-reduce would copy its input first (a second copy of a bucket its caller packed already);
+    the in-place functional one is not seen by ``CommDebugMode``. So this issues c10d's own all-reduce, which is,
+    and registers its work for ``wait_tensor`` as the functional collectives do."""
     if group_size == 1:
         return tensor
     _record("all_reduce", tensor, tensor.numel(), group_size)
-    return _c10d.all_reduce(tensor, _average_first(tensor, op, group_size), group)
+    reduce_op = _REDUCE_OPS[_average_first(tensor, op, group_size)]
+    work = dist.all_reduce(tensor, reduce_op, group=_resolve_process_group(group), async_op=True)
+    torch._C._distributed_c10d._register_work(tensor, work)
+    return tensor
 
 
 def all_reduce_scalar(tensor: torch.Tensor, op: str, group: str, group_size: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from zerofx.memory.pools import Placement, place
 from zerofx.memory.tracking import category_of
 from zerofx.step_graph import aliases_first_arg
 
-_ALIASING_CALLS = (collectives.wait,)  # Python functions in the graph that return their first argument
+_ALIASING_CALLS = (collectives.wait, collectives.all_reduce)  # Python functions in the graph that return their input
 _CLAIMING = ("grads", "gathered_params")  # classes an alias gives the buffer it views (`StepProbe` does the same)
 
 
