@@ -90,7 +90,8 @@ def all_reduce(tensor: torch.Tensor, op: str, group: str, group_size: int) -> to
     _record("all_reduce", tensor, tensor.numel(), group_size)
     reduce_op = _REDUCE_OPS[_average_first(tensor, op, group_size)]
     work = dist.all_reduce(tensor, reduce_op, group=_resolve_process_group(group), async_op=True)
-    torch._C._distributed_c10d._register_work(tensor, work)
+    if not tensor.is_meta:  # a plan's: wait_tensor's meta kernel would leave it registered
+        torch._C._distributed_c10d._register_work(tensor, work)
     return tensor
 
 
