@@ -249,3 +249,41 @@ def _different(ours: dict, theirs: dict) -> list[str]:
     """The names whose values are not bitwise equal (or missing on one side)."""
     assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
     return sorted(name for name in ours if not torch.equal(torch.as_tensor(ours[name]), torch.as_tensor(theirs[name])))
+
+
+def bf16_checkpoint_between_paths(rank, world_size, directory, backend_stage, whole_step_stage, steps=2):
+    """Under ``MixedPrecision(param_dtype=torch.bfloat16)``, each way: ``steps`` steps on one path,
+    ``zerofx.checkpoint.save``, a fresh model (another seed) loaded on the other path, ``steps`` more; the losses and
+    the final fp32 masters beside the whole-step path training straight through, as the names that differ."""
+    mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16)
+    straight = zerofx.compile(train_step, stage=whole_step_stage, mixed_precision=mixed, recompute_pointwise=False)
+    model, opt = gpt_and_adamw()
+    ref_losses = [straight(model, opt, *token_batch(i, rank)).item() for i in range(2 * steps)]
+    reference = zerofx.full_state_dict(straight)["model"]
+
+    def backend_path(seed):
+        torch._dynamo.reset()
+        model, opt = zerofx.prepare(*gpt_and_adamw(seed=seed), stage=backend_stage, mixed_precision=mixed)
+        compiled = torch.compile(model, backend=zerofx.backend(stage=backend_stage))
+        return zerofx.prepared(model), lambda x, y: train_step(compiled, opt, x, y)
+
+    def whole_step_path(seed):
+        model, opt = gpt_and_adamw(seed=seed)
+        step = zerofx.compile(train_step, stage=whole_step_stage, mixed_precision=mixed, recompute_pointwise=False)
+        step.bind(model, opt, *token_batch(0, rank))
+        return step, lambda x, y: step(model, opt, x, y)
+
+    out = {}
+    for first, then in ((backend_path, whole_step_path), (whole_step_path, backend_path)):
+        losses = []
+        for phase, path in enumerate((first, then)):
+            target, train = path(seed=phase)
+            if phase:
+                zerofx.checkpoint.load(target, f"{directory}/{first.__name__}")
+            losses += [train(*token_batch(i, rank)).item() for i in range(phase * steps, (phase + 1) * steps)]
+            if not phase:
+                zerofx.checkpoint.save(target, f"{directory}/{first.__name__}")
+        out[f"{first.__name__}, then {then.__name__}"] = {
+            "losses": (losses, ref_losses),
+            "different_params": _different(zerofx.full_state_dict(target)["model"], reference)}
+    return out

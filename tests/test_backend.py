@@ -110,6 +110,20 @@ def test_bf16_through_the_backend_is_bitwise_the_whole_step_paths(bf16_beside_wh
     assert result["volumes"][0] == result["volumes"][1] > 0
 
 
+@pytest.mark.parametrize("backend_stage, whole_step_stage", [(0, 2), (3, 1)])
+def test_bf16_checkpoints_move_between_the_backend_and_the_whole_step_path(ranks2, tmp_path, backend_stage,
+                                                                           whole_step_stage):
+    """Under bf16 mixed precision a checkpoint holds the fp32 masters whichever path saved it: a run resumed on the
+    other path is bitwise the whole step trained straight through (the bf16 parameters are casts of the masters)."""
+    runs = ranks2.run(cases.bf16_checkpoint_between_paths, directory=str(tmp_path), backend_stage=backend_stage,
+                      whole_step_stage=whole_step_stage)[0]
+    assert set(runs) == {"backend_path, then whole_step_path", "whole_step_path, then backend_path"}
+    for way, result in runs.items():
+        losses, straight = result["losses"]
+        assert losses == straight, way
+        assert result["different_params"] == [], way
+
+
 def test_prepare_refuses_what_the_backend_does_not_run_yet():
     model, opt = cases.gpt_and_adamw()
     fp16 = cases.zerofx.MixedPrecision(param_dtype=torch.float16)

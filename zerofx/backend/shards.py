@@ -97,7 +97,6 @@ class Shards:
         fqn_of.update({id(shard): fqn for fqn, shard in self.params.items()})
         return order
 
-    @contextlib.contextmanager
     def _cast_masters_into_params(self) -> None:
         """The whole step's write-back after the update (``compute.copy_(master)``): the same rounding."""
         with torch.no_grad():
@@ -105,6 +104,7 @@ class Shards:
                 target = self.state.params[fqn] if self.stage == 0 else self._compute_chunk(fqn)
                 target.copy_(self.params[fqn])
 
+    @contextlib.contextmanager
     def gathered(self, binding: StepBinding):
         """Stage 3: the parameters full inside the block (for code that runs the model without the backend, which
         would read parameters that hold nothing), and without memory again after it."""
