@@ -7,7 +7,8 @@ that edit the optimizer's update (`UPDATE_PASSES`): ``optimizer.step()`` runs ea
 shards `zerofx.backend.shards` gives it. A pass finds the nodes it works on by their tags, so on a forward graph the
 gradient passes find no gradient and change nothing, and on a backward graph ``broadcast_buffers`` finds no buffer.
 From stage 1 on the backward's gradients leave it as this rank's shards, which go to the optimizer's shards rather
-than to autograd (which would refuse their shape); at stage 3 each graph runs on the parameters' shards. The graphs
+than to autograd (which would refuse their shape); at stage 3 each graph runs on the parameters' shards. Under mixed
+precision the graphs compute in ``param_dtype`` and the gradients go to the fp32 master weights (`Shards`). The graphs
 stay FX GraphModules (no Inductor); every collective they issue is recorded for the `Prepared` model's ``stats()``.
 """
 
@@ -108,7 +109,8 @@ class _Region:
         self.saved_params: dict = {}  # stage 3: forward's parameter placeholders by name
         self.handed: dict[int, int] = {}  # stage 3: forward output -> the input whose shard it hands to backward
         self.fingerprint = 0  # the compiled forward's (`runtime.fingerprint`)
-        self.inputs: dict[str, list] = {}  # "forward", "backward": how each graph is called (`graph_inputs`)
+        # "forward", "backward": how each graph is called (`graph_inputs`); None: with the arguments as they come
+        self.inputs: dict[str, list | None] = {}
 
     def compile_forward(self, fw: fx.GraphModule, _inputs):
         fw = tag_forward(fw, self.slots)
@@ -136,7 +138,8 @@ class _Region:
         if held and self.owner.config.mixed_precision:
             add_master_inputs(gm, held, self.owner.shards.state.masters)
         gm = self.backend.compile_graph(self.owner, f"{self.name}.{which}", gm, artifacts)
-        self.inputs[which] = graph_inputs(gm, names)
+        plan = graph_inputs(gm, names)
+        self.inputs[which] = None if plan == list(range(len(names))) else plan
         return gm
 
     def _forward(self, run, args: list) -> list:
@@ -154,7 +157,7 @@ class _Region:
         """``args`` as the graph ``which`` takes them after its passes (`graph_inputs`): the same list where they
         changed nothing, else a new one, and ``args`` cleared as a boxed call would."""
         plan = self.inputs[which]
-        if plan == list(range(len(args))):
+        if plan is None:
             return args
         graph_args = [args[x] if isinstance(x, int) else self.owner.shards.state.masters[x.fqn] for x in plan]
         args.clear()
@@ -162,7 +165,8 @@ class _Region:
 
     def _backward(self, run, args: list) -> list:
         out = self._recorded(run, self._arguments("backward", args))
-        for i in self.params:  # from stage 1 on, gradient shards go to the optimizer's shards, not to autograd
+        # from stage 1 on (and under mixed precision) gradients go to what the optimizer holds, not to autograd
+        for i in self.params:
             fqn = self.slots[i].fqn
             if fqn in self.owner.layouts and out[i] is not None:
                 self.owner.shards.receive_grad(fqn, out[i])
