@@ -206,3 +206,84 @@ def hf_llama_against_ddp(rank, world_size, stage, steps=4):
                                    rtol=1e-5, atol=0, msg=f"step {i}")
     assert_matches_ddp(zerofx.prepared(model), ref_model, ref_opt, atol=1e-6)
     return sorted(zerofx.prepared(model).graphs)
+
+
+def bf16_against_whole_step(rank, world_size, runs, steps=4):
+    """For each (stage, reduce_dtype name or None) of ``runs``, ``steps`` steps of the test GPT through the backend
+    and through ``zerofx.compile``, both with ``MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype)`` (built
+    here: a MixedPrecision does not cross processes): the losses, the final fp32 master parameters (gathered, by
+    name) and optimizer state, how many parameters training moved, and the last step's collectives and
+    communication volume of each path."""
+    results = {}
+    for stage, reduce_dtype in runs:
+        mixed = zerofx.MixedPrecision(torch.bfloat16, reduce_dtype and getattr(torch, reduce_dtype))
+        torch._dynamo.reset()
+        model, opt = zerofx.prepare(*gpt_and_adamw(seed=rank), stage=stage, mixed_precision=mixed)
+        compiled = torch.compile(model, backend=zerofx.backend(stage=stage))
+        backend_losses = [train_step(compiled, opt, *token_batch(i, rank)).item() for i in range(steps)]
+        step = zerofx.compile(train_step, stage=stage, mixed_precision=mixed, recompute_pointwise=False)
+        whole_model, whole_opt = gpt_and_adamw()
+        step_losses = [step(whole_model, whole_opt, *token_batch(i, rank)).item() for i in range(steps)]
+        ours, theirs = zerofx.full_state_dict(zerofx.prepared(model)), zerofx.full_state_dict(step)
+        backend_stats, step_stats = zerofx.prepared(model).stats(), step.stats()
+        initial = dict(gpt_and_adamw()[0].named_parameters(remove_duplicate=False))
+        results[(stage, reduce_dtype)] = {
+            "losses": (backend_losses, step_losses),
+            "moved": sum(not torch.equal(value, initial[name]) for name, value in ours["model"].items()),
+            "num_params": len(initial),
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "master_dtypes": sorted({str(v.dtype) for v in ours["model"].values()}),
+            "different_params": _different(ours["model"], theirs["model"]),
+            "different_state": _different(_flat_state(ours["optimizer"]), _flat_state(theirs["optimizer"])),
+            "collectives": (_records(backend_stats.collectives), _records(step_stats.collectives)),
+            "volumes": (backend_stats.comm_volume, step_stats.comm_volume),
+        }
+    return results
+
+
+def _flat_state(optimizer_sd: dict) -> dict:
+    return {f"{fqn}.{key}": value for fqn, entries in optimizer_sd["state"].items() for key, value in entries.items()}
+
+
+def _different(ours: dict, theirs: dict) -> list[str]:
+    """The names whose values are not bitwise equal (or missing on one side)."""
+    assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
+    return sorted(name for name in ours if not torch.equal(torch.as_tensor(ours[name]), torch.as_tensor(theirs[name])))
+
+
+def bf16_checkpoint_between_paths(rank, world_size, directory, backend_stage, whole_step_stage, steps=2):
+    """Under ``MixedPrecision(param_dtype=torch.bfloat16)``, each way: ``steps`` steps on one path,
+    ``zerofx.checkpoint.save``, a fresh model (another seed) loaded on the other path, ``steps`` more; the losses and
+    the final fp32 masters beside the whole-step path training straight through, as the names that differ."""
+    mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16)
+    straight = zerofx.compile(train_step, stage=whole_step_stage, mixed_precision=mixed, recompute_pointwise=False)
+    model, opt = gpt_and_adamw()
+    ref_losses = [straight(model, opt, *token_batch(i, rank)).item() for i in range(2 * steps)]
+    reference = zerofx.full_state_dict(straight)["model"]
+
+    def backend_path(seed):
+        torch._dynamo.reset()
+        model, opt = zerofx.prepare(*gpt_and_adamw(seed=seed), stage=backend_stage, mixed_precision=mixed)
+        compiled = torch.compile(model, backend=zerofx.backend(stage=backend_stage))
+        return zerofx.prepared(model), lambda x, y: train_step(compiled, opt, x, y)
+
+    def whole_step_path(seed):
+        model, opt = gpt_and_adamw(seed=seed)
+        step = zerofx.compile(train_step, stage=whole_step_stage, mixed_precision=mixed, recompute_pointwise=False)
+        step.bind(model, opt, *token_batch(0, rank))
+        return step, lambda x, y: step(model, opt, x, y)
+
+    out = {}
+    for first, then in ((backend_path, whole_step_path), (whole_step_path, backend_path)):
+        losses = []
+        for phase, path in enumerate((first, then)):
+            target, train = path(seed=phase)
+            if phase:
+                zerofx.checkpoint.load(target, f"{directory}/{first.__name__}")
+            losses += [train(*token_batch(i, rank)).item() for i in range(phase * steps, (phase + 1) * steps)]
+            if not phase:
+                zerofx.checkpoint.save(target, f"{directory}/{first.__name__}")
+        out[f"{first.__name__}, then {then.__name__}"] = {
+            "losses": (losses, ref_losses),
+            "different_params": _different(zerofx.full_state_dict(target)["model"], reference)}
+    return out

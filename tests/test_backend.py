@@ -2,6 +2,7 @@
 path's collectives, survives graph breaks and shares checkpoints with the whole-step path."""
 
 import pytest
+import torch
 
 import cases_backend as cases
 from conftest import _pool
@@ -79,11 +80,61 @@ def test_hugging_face_llama_through_the_backend_matches_ddp(ranks2, stage):
     assert regions == ["region0.backward", "region0.forward", "region1.backward", "region1.forward"]
 
 
+BF16_RUNS = [(0, None), (1, None), (2, None), (3, None), (3, "float32")]  # (stage, reduce_dtype)
+
+
+@pytest.fixture(scope="module")
+def bf16_beside_whole_step():
+    """Every run of `BF16_RUNS` in one call of the 2-rank pool (each run compiles both paths: seconds apiece)."""
+    return _pool(2).run(cases.bf16_against_whole_step, runs=BF16_RUNS)[0]
+
+
+@pytest.mark.parametrize("stage, reduce_dtype", BF16_RUNS)
+def test_bf16_through_the_backend_is_bitwise_the_whole_step_paths(bf16_beside_whole_step, stage, reduce_dtype):
+    """MixedPrecision(param_dtype=torch.bfloat16) through the backend: 4 steps give bitwise the losses, fp32 master
+    parameters and optimizer state of ``zerofx.compile`` with the same MixedPrecision, and the last step the same
+    collectives (bf16, or fp32 gradients with ``reduce_dtype``) and volume. Bitwise because both paths run the same
+    ATen ops in bf16 eagerly on the same values: forward and backward as traced (AOTAutograd's graphs, the whole
+    step's), gradients reduced by the same passes, cast to fp32 for the same AdamW update on the masters, and cast
+    back (stage 3: at each gather) with the same rounding."""
+    result = bf16_beside_whole_step[(stage, reduce_dtype)]
+    backend_losses, step_losses = result["losses"]
+    assert backend_losses == step_losses
+    assert result["param_dtypes"] == ["torch.bfloat16"] and result["master_dtypes"] == ["torch.float32"]
+    assert result["moved"] == result["num_params"]
+    assert result["different_params"] == [] and result["different_state"] == []
+    backend, whole_step = result["collectives"]
+    assert sorted(backend, key=repr) == sorted(whole_step, key=repr)
+    sent = {dtype for _, _, dtype, _ in backend}
+    assert sent == ({torch.bfloat16} if reduce_dtype is None else {torch.bfloat16, torch.float32})
+    assert result["volumes"][0] == result["volumes"][1] > 0
+
+
+@pytest.mark.parametrize("backend_stage, whole_step_stage", [(0, 2), (3, 1)])
+def test_bf16_checkpoints_move_between_the_backend_and_the_whole_step_path(ranks2, tmp_path, backend_stage,
+                                                                           whole_step_stage):
+    """Under bf16 mixed precision a checkpoint holds the fp32 masters whichever path saved it: a run resumed on the
+    other path is bitwise the whole step trained straight through (the bf16 parameters are casts of the masters)."""
+    runs = ranks2.run(cases.bf16_checkpoint_between_paths, directory=str(tmp_path), backend_stage=backend_stage,
+                      whole_step_stage=whole_step_stage)[0]
+    assert set(runs) == {"backend_path, then whole_step_path", "whole_step_path, then backend_path"}
+    for way, result in runs.items():
+        losses, straight = result["losses"]
+        assert losses == straight, way
+        assert result["different_params"] == [], way
+
+
 def test_prepare_refuses_what_the_backend_does_not_run_yet():
     model, opt = cases.gpt_and_adamw()
-    for options, named in (({"mesh": object()}, "mesh="), ({"mixed_precision": object()}, "mixed_precision")):
+    fp16 = cases.zerofx.MixedPrecision(param_dtype=torch.float16)
+    for options, named in (({"mesh": object()}, "mesh="), ({"mixed_precision": fp16}, "loss_scaling")):
         with pytest.raises(NotImplementedError, match=named):
             cases.zerofx.prepare(model, opt, **options)
+    with pytest.raises(TypeError, match="mixed_precision must be a zerofx.MixedPrecision"):
+        cases.zerofx.prepare(model, opt, mixed_precision=object())
+    model.ln_f.weight.requires_grad_(False)
+    with pytest.raises(NotImplementedError, match="frozen floating parameters"):
+        cases.zerofx.prepare(model, opt, mixed_precision=cases.zerofx.MixedPrecision())
     with pytest.raises(ValueError, match="stage must be"):
         cases.zerofx.backend(stage=4)
     with pytest.raises(ValueError, match="not given to zerofx.prepare"):

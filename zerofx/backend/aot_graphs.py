@@ -14,7 +14,9 @@ still read it full, for ``gather_params``. Backward reads a parameter only if fo
 it saves (AOTAutograd names such a backward input as the forward node it is); it is the shard there too, so no
 gathered copy lives between the two graphs. The joint graph marks what only re-presents a parameter (its transposes,
 views and casts) ``MUST_RECOMPUTE``, so the partitioner saves the parameter rather than such a view of it, and
-backward gathers again.
+backward gathers again. Under mixed precision each graph also takes the fp32 master shard of every parameter it
+holds, as a MASTER input (`add_master_inputs`): ``cast_params_at_gather`` then gathers casts of it and removes the
+parameter's own input, whose place `graph_inputs` leaves out when the graph is called.
 """
 
 from __future__ import annotations
@@ -79,6 +81,32 @@ def hold_shards(gm: fx.GraphModule, layouts: dict[str, ParamLayout]) -> dict[str
             node.meta[SHARD] = True
             held[node.name] = slots[0]
     return held
+
+
+def add_master_inputs(gm: fx.GraphModule, held: dict[str, Slot], masters: dict[str, torch.Tensor]) -> None:
+    """Stage 3 under mixed precision: after ``gm``'s inputs, a MASTER input per parameter it holds (``held``, from
+    `hold_shards`), shaped and typed as ``masters[fqn]`` (this rank's fp32 master shard), as a whole step's graph
+    takes the masters beside the parameters."""
+    graph = gm.graph
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    phase = last.meta[TAG].phase
+    for slot in held.values():
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"master_{slot.fqn.replace('.', '_')}")
+        master = masters[slot.fqn]
+        with fake_mode_of(graph):
+            last.meta["val"] = torch.empty(master.shape, dtype=master.dtype, device=master.device)
+        last.meta[TAG] = NodeTag(phase, slots=[Slot(Role.MASTER, slot.fqn)])
+        last.meta[SHARD] = True
+    gm.recompile()
+
+
+def graph_inputs(gm: fx.GraphModule, names: list[str]) -> list[int | Slot]:
+    """How to call ``gm`` after its passes, given the names of its inputs before them: for each input, the position
+    of the argument it was, or the MASTER slot `add_master_inputs` gave it."""
+    position = {name: i for i, name in enumerate(names)}
+    return [position[n.name] if n.name in position else n.meta[TAG].slots[0]
+            for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def recompute_views_where_read(gm: fx.GraphModule, held: dict[str, Slot]) -> None:

@@ -7,7 +7,8 @@ that edit the optimizer's update (`UPDATE_PASSES`): ``optimizer.step()`` runs ea
 shards `zerofx.backend.shards` gives it. A pass finds the nodes it works on by their tags, so on a forward graph the
 gradient passes find no gradient and change nothing, and on a backward graph ``broadcast_buffers`` finds no buffer.
 From stage 1 on the backward's gradients leave it as this rank's shards, which go to the optimizer's shards rather
-than to autograd (which would refuse their shape); at stage 3 each graph runs on the parameters' shards. The graphs
+than to autograd (which would refuse their shape); at stage 3 each graph runs on the parameters' shards. Under mixed
+precision the graphs compute in ``param_dtype`` and the gradients go to the fp32 master weights (`Shards`). The graphs
 stay FX GraphModules (no Inductor); every collective they issue is recorded for the `Prepared` model's ``stats()``.
 """
 
@@ -23,8 +24,9 @@ from torch._dynamo.backends.common import aot_autograd
 
 from zerofx import collectives, dump, ranks, runtime
 from zerofx.api import UNSHARDED_BUCKET_BYTES
-from zerofx.backend.aot_graphs import (hand_shards_to_backward, hold_shards, partition_recomputing_param_views,
-                                       recompute_views_where_read, tag_backward, tag_forward)
+from zerofx.backend.aot_graphs import (add_master_inputs, graph_inputs, hand_shards_to_backward, hold_shards,
+                                       partition_recomputing_param_views, recompute_views_where_read, tag_backward,
+                                       tag_forward)
 from zerofx.backend.prepared import Prepared, owner_of
 from zerofx.passes import PassContext, Pipeline, allgather_params, pipeline, shard_optimizer_state
 from zerofx.step_graph import Role
@@ -68,8 +70,10 @@ class Backend:
         """``gm`` through the stage's passes; ``artifacts``: what an earlier graph of the region planned (forward's
         gathers, for backward), updated with what this one plans."""
         units = owner.units if self.bucket_bytes is None else None
+        mixed = owner.config.mixed_precision
         ctx = PassContext(self.stage, owner.ranks.size, owner.ranks.group_name,
                           self.bucket_bytes or UNSHARDED_BUCKET_BYTES, units=units,
+                          reduce_dtype=mixed.reduce_dtype if mixed else None,
                           artifacts={**artifacts, "layouts": owner.layouts})
         dump_dir = self._dump_dir(name)
         if dump_dir:
@@ -105,24 +109,38 @@ class _Region:
         self.saved_params: dict = {}  # stage 3: forward's parameter placeholders by name
         self.handed: dict[int, int] = {}  # stage 3: forward output -> the input whose shard it hands to backward
         self.fingerprint = 0  # the compiled forward's (`runtime.fingerprint`)
+        # "forward", "backward": how each graph is called (`graph_inputs`); None: with the arguments as they come
+        self.inputs: dict[str, list | None] = {}
 
     def compile_forward(self, fw: fx.GraphModule, _inputs):
         fw = tag_forward(fw, self.slots)
         if self.stage >= 3:
             self.saved_params = hold_shards(fw, self.owner.layouts)
             self.handed = hand_shards_to_backward(fw, self.saved_params)
-        fw = self.backend.compile_graph(self.owner, f"{self.name}.forward", fw, self.artifacts)
+        fw = self._compile("forward", fw, self.artifacts, self.saved_params)
         self.fingerprint = runtime.fingerprint(fw)
         run = make_boxed_func(fw)
         return _boxed(lambda args: self._forward(run, args))
 
     def compile_backward(self, bw: fx.GraphModule, _inputs):
         bw = tag_backward(bw, self.slots, self.saved_params)
+        held = {}
         if self.stage >= 3:
-            recompute_views_where_read(bw, hold_shards(bw, self.owner.layouts))
-        run = make_boxed_func(self.backend.compile_graph(self.owner, f"{self.name}.backward", bw,
-                                                         dict(self.artifacts)))
+            held = hold_shards(bw, self.owner.layouts)
+            recompute_views_where_read(bw, held)
+        run = make_boxed_func(self._compile("backward", bw, dict(self.artifacts), held))
         return _boxed(lambda args: self._backward(run, args))
+
+    def _compile(self, which: str, gm: fx.GraphModule, artifacts: dict, held: dict) -> fx.GraphModule:
+        """``gm`` through the passes, with the fp32 master shards of the parameters it holds as inputs under mixed
+        precision; how to call it is kept in ``self.inputs[which]``."""
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        if held and self.owner.config.mixed_precision:
+            add_master_inputs(gm, held, self.owner.shards.state.masters)
+        gm = self.backend.compile_graph(self.owner, f"{self.name}.{which}", gm, artifacts)
+        plan = graph_inputs(gm, names)
+        self.inputs[which] = None if plan == list(range(len(names))) else plan
+        return gm
 
     def _forward(self, run, args: list) -> list:
         read = self._reads(args)
@@ -130,14 +148,25 @@ class _Region:
         for i in self.sharded:
             args[i] = self.owner.shards.graph_input(self.slots[i].fqn)
         shards = {i: args[i] for i in self.handed.values()}  # before the run: a boxed call clears ``args``
-        out = self._recorded(run, args, read)
+        out = self._recorded(run, self._arguments("forward", args), read)
         for out_index, in_index in self.handed.items():
             out[out_index] = shards[in_index]
         return out
 
+    def _arguments(self, which: str, args: list) -> list:
+        """``args`` as the graph ``which`` takes them after its passes (`graph_inputs`): the same list where they
+        changed nothing, else a new one, and ``args`` cleared as a boxed call would."""
+        plan = self.inputs[which]
+        if plan is None:
+            return args
+        graph_args = [args[x] if isinstance(x, int) else self.owner.shards.state.masters[x.fqn] for x in plan]
+        args.clear()
+        return graph_args
+
     def _backward(self, run, args: list) -> list:
-        out = self._recorded(run, args)
-        for i in self.params:  # from stage 1 on, gradient shards go to the optimizer's shards, not to autograd
+        out = self._recorded(run, self._arguments("backward", args))
+        # from stage 1 on (and under mixed precision) gradients go to what the optimizer holds, not to autograd
+        for i in self.params:
             fqn = self.slots[i].fqn
             if fqn in self.owner.layouts and out[i] is not None:
                 self.owner.shards.receive_grad(fqn, out[i])
@@ -158,13 +187,15 @@ class _Region:
     def _reads(self, args: list) -> set[str]:
         """The parameters a run reads, whose gradients its backward communicates. At stage 0 a region compiled once
         may run for several modules of one class (each block), with other parameters than it was compiled with;
-        from stage 1 on its backward hands gradient shards to the parameters it was compiled for, so no other."""
+        from stage 1 on (and under mixed precision) its backward hands gradient shards (master gradients) to the
+        parameters it was compiled for, so no other."""
         read = {self.owner.fqn_of(args[i]) for i in self.params}
-        if self.stage >= 1 and read != self.compiled_for:
+        if self.owner.shards is not None and read != self.compiled_for:
             raise NotImplementedError(
                 f"zerofx.backend: a region compiled for parameters {sorted(self.compiled_for)} runs for "
-                f"{sorted(read)} (one graph serving several modules of a class); from stage 1 on its backward "
-                "could not tell whose gradient shards it computes. Compile the whole model, or use stage 0")
+                f"{sorted(read)} (one graph serving several modules of a class); from stage 1 on, and under "
+                "mixed precision, its backward could not tell whose gradient shards it computes. Compile the whole "
+                "model, or use stage 0 without mixed_precision")
         return read
 
     def _recorded(self, run, args: list, read: set[str] = frozenset()) -> list:

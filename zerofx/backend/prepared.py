@@ -6,7 +6,7 @@ meet among a compiled region's inputs, the process group) and what a step did (t
 ``optimizer.step()`` calls). It carries the attributes ``zerofx.state_dict``, ``zerofx.full_state_dict``,
 ``zerofx.load_state_dict`` and ``zerofx.checkpoint`` read from a compiled step, so checkpoints have one layout
 whichever way a run trains, and a run saved through one path resumes through the other. From stage 1 on it holds
-the sharded state (`zerofx.backend.shards`).
+the sharded state, and under mixed precision the fp32 master weights (`zerofx.backend.shards`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Prepared:
         self.ranks = mesh_ranks(config.mesh)
         self._binding = StepBinding.from_args((model, optimizer))
         self._args = (model, optimizer)
-        self.shards: Shards | None = None  # stages 1-3, from `shard`
+        self.shards: Shards | None = None  # stages 1-3 and mixed precision, from `shard`
         self._owned = None  # the sharded state (`zerofx.state_dict` reads it as a step's)
         self.units = unit_of_params([model], [""], self._binding.param_aliases)  # what stages 2-3 communicate by
         self.bucket_bytes: int | None = None  # the compiling backend's; stages 1-2 gather after the update by it
@@ -60,8 +60,10 @@ class Prepared:
         optimizer.register_step_post_hook(lambda *_: self._end_step())
 
     def shard(self) -> None:
-        """Stages 1-3: take this rank's shards of the parameters and the optimizer's state."""
-        self.shards = Shards(self._binding, self.model, self.optimizer, self.config.stage, self.ranks)
+        """Stages 1-3: take this rank's shards of the parameters and the optimizer's state; under mixed precision
+        (any stage) put the optimizer on fp32 master weights and the model's parameters in ``param_dtype``."""
+        self.shards = Shards(self._binding, self.model, self.optimizer, self.config.stage, self.ranks,
+                             self.config.mixed_precision)
         self._owned = self.shards.state
         self._by_storage = self._storage_index()
 
@@ -99,11 +101,13 @@ class Prepared:
         """Before the update: every gradient autograd produced came through a compiled backward, which communicated
         it. A parameter read only outside the compiled regions (where Dynamo fell back to eager) would be updated
         from this rank's gradient alone."""
-        # from stage 1 on the optimizer updates shards, and only compiled backwards hand gradients to them
+        # from stage 1 on (and under mixed precision) the optimizer updates shards (masters), and only compiled
+        # backwards hand gradients to them
         missed = sorted(self._accumulated if self.shards is not None else self._accumulated - self._reduced)
         if missed and self.ranks.size > 1:
             where = "outside every compiled region, so no rank averaged them" if self.shards is None else \
-                "outside the compiled regions, where no rank averages them and the optimizer's shards never see them"
+                "outside the compiled regions, where no rank averages them and the optimizer, which updates " \
+                "shards or master weights, never sees them"
             raise RuntimeError(
                 f"zerofx.backend: the gradients of {missed} were computed {where}; the model's forward reads these "
                 "parameters where torch.compile ran eagerly (a graph break it could not resume from, such as one "
@@ -154,10 +158,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
     can be loaded into it (``zerofx.checkpoint.load(zerofx.prepared(model), ...)``). From ``stage`` 1 on the
     optimizer's ``param_groups`` then hold this rank's shards in place of the trainable parameters (its state, and
     the gradients ``optimizer.zero_grad()`` clears, are theirs), and at stage 3 the model's parameters keep their
-    shapes but no memory (`zerofx.backend.shards`). Every rank calls it, once, before the model first runs."""
-    if mixed_precision is not None:
-        raise NotImplementedError("zerofx.prepare: mixed_precision is not supported by the backend path yet; use "
-                                  "zerofx.compile for mixed precision")
+    shapes but no memory (`zerofx.backend.shards`). ``mixed_precision=zerofx.MixedPrecision(param_dtype=
+    torch.bfloat16)`` runs forward and backward in ``param_dtype`` (the model's trainable parameters are cast to it)
+    and reduces gradients in ``grad_dtype``, while the optimizer updates fp32 master weights in their place, as
+    ``zerofx.compile`` does with the same option. Every rank calls it, once, before the model first runs."""
+    _check_mixed_precision(model, mixed_precision)
     if mesh is not None:
         raise NotImplementedError("zerofx.prepare: mesh= is not supported by the backend path yet; use "
                                   "zerofx.compile for tensor parallelism")
@@ -167,10 +172,27 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
     optim_support.init_lazy_state(optimizer)
     if prepared.ranks.size > 1:
         runtime.sync_module_states(prepared._binding, prepared.ranks.group)
-    if stage >= 1:
+    if stage >= 1 or mixed_precision is not None:
         prepared.shard()
     _PREPARED[model] = prepared
     return model, optimizer
+
+
+def _check_mixed_precision(model: nn.Module, mixed: MixedPrecision | None) -> None:
+    if mixed is None:
+        return
+    if not isinstance(mixed, MixedPrecision):
+        raise TypeError(f"zerofx.prepare: mixed_precision must be a zerofx.MixedPrecision, got {type(mixed).__name__}")
+    if mixed.scaling is not None:
+        raise NotImplementedError(
+            f"zerofx.prepare: mixed_precision with loss scaling (param_dtype={mixed.param_dtype}, loss_scaling="
+            f"{mixed.loss_scaling}) is not supported by the backend path yet; use param_dtype=torch.bfloat16, or "
+            "zerofx.compile for float16 with loss scaling")
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
+    if frozen:
+        raise NotImplementedError(
+            f"zerofx.prepare: mixed_precision with frozen floating parameters ({frozen[:4]}) is not supported by the "
+            "backend path yet: they would stay fp32 where the rest computes in param_dtype; use zerofx.compile")
 
 
 def prepared(model: nn.Module) -> Prepared:

@@ -1,4 +1,5 @@
-"""Stages 1-3 through the backend: the state ``zerofx.prepare`` takes, and the eager ``optimizer.step()`` on it.
+"""Stages 1-3, and mixed precision at any stage, through the backend: the state ``zerofx.prepare`` takes, and the
+eager ``optimizer.step()`` on it.
 
 ``prepare`` takes the trainable parameters and their optimizer state as a whole step takes them (`ShardedState`:
 stages 1-2 keep each parameter padded and flat, stage 3 this rank's chunk of it; optimizer state is this rank's
@@ -6,6 +7,13 @@ chunk at every stage), so ``zerofx.state_dict`` and checkpoints read both paths 
 ``param_groups`` then hold, in place of each parameter, a flat parameter over this rank's chunk (its shard), with
 that chunk's state: ``optimizer.step()`` updates shards only, with their shard-shaped gradients, which the compiled
 backward graphs hand over (`receive_grad`) instead of autograd.
+
+Mixed precision: the model's parameters are in ``param_dtype`` (so Dynamo captures, and the graphs run, forward and
+backward in it, as a whole step is traced), and what the optimizer holds in their place is the fp32 master weight:
+the whole parameter at stage 0, this rank's chunk of it from stage 1 on. The gradients the backward graphs hand over
+(reduced in ``MixedPrecision.grad_dtype``) are cast to fp32 for it; after ``optimizer.step()`` the updated masters,
+cast to ``param_dtype``, are written into the parameters (stages 0-2, before stages 1-2 gather them); stage 3 keeps
+no ``param_dtype`` shard, its graphs gather casts of the master shards (``cast_params_at_gather``).
 
 What the model's parameters are: at stages 1-2 views of the padded flat storage (so an update of a shard is an update
 of the parameter's chunk, and `gather_after_update`'s graph gathers the other ranks' chunks into the rest); at stage
@@ -25,31 +33,52 @@ from zerofx.api import UNSHARDED_BUCKET_BYTES
 from zerofx.backend.update_graph import gather_after_update
 from zerofx.binding import StepBinding
 from zerofx.mesh import MeshRanks
+from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext
 from zerofx.sharded_state import ShardedState
 from zerofx.sharding import ParamLayout, gather_full
 
 
 class Shards:
-    """This rank's shards of a prepared model and optimizer (stages 1-3)."""
+    """This rank's shards of a prepared model and optimizer (stages 1-3), or its fp32 master weights (stage 0 under
+    mixed precision)."""
 
     def __init__(self, binding: StepBinding, model: nn.Module, optimizer: torch.optim.Optimizer, stage: int,
-                 ranks: MeshRanks):
-        self.stage, self.ranks = stage, ranks
-        self.layouts = {fqn: ParamLayout(fqn, tuple(p.shape), p.dtype, ranks.size)
+                 ranks: MeshRanks, mixed: MixedPrecision | None):
+        self.stage, self.ranks, self.mixed = stage, ranks, mixed
+        self.layouts = {fqn: ParamLayout(fqn, tuple(p.shape), mixed.param_dtype if mixed else p.dtype, ranks.size)
                         for fqn, p in binding.params.items() if p.requires_grad}
-        self.state = ShardedState.take(binding, (model, optimizer), self.layouts, stage, ranks.rank,
+        self.state = ShardedState.take(binding, (model, optimizer), self.layouts, stage, ranks.rank, mixed,
                                        group=ranks.group)
-        self.params = {fqn: nn.Parameter(self._chunk(fqn)) for fqn in self.layouts}
+        self.params = {fqn: nn.Parameter(self._updated(fqn, binding)) for fqn in self.layouts}
         for fqn, layout in self.layouts.items():
-            binding.params[fqn].data = layout.unpad(self.state.params[fqn]) if stage < 3 else _hollow(layout,
-                                                                                                   self._chunk(fqn))
+            binding.params[fqn].data = self._module_param(layout)
         self._update_order = self._point_optimizer_at_shards(binding, optimizer)
+        if stage == 0:  # state dicts read a stage-0 step's masters as its module's parameters: these are the masters
+            binding.params.update(self.params)
         self._gather = None  # stages 1-2: the graph that gathers the updated chunks, built on the first step
 
-    def _chunk(self, fqn: str) -> torch.Tensor:
-        stored, layout = self.state.params[fqn], self.layouts[fqn]
-        return stored.view(layout.world_size, layout.shard_numel)[self.ranks.rank] if self.stage < 3 else stored
+    def _updated(self, fqn: str, binding: StepBinding) -> torch.Tensor:
+        """What the optimizer updates in place of parameter ``fqn``: this rank's chunk of it, or under mixed
+        precision of its fp32 master (at stage 0 the module's parameter as it was, whole)."""
+        if self.stage == 0:
+            return binding.params[fqn].detach()
+        if self.mixed:
+            return self.state.masters[fqn]
+        return self._compute_chunk(fqn) if self.stage < 3 else self.state.params[fqn]
+
+    def _compute_chunk(self, fqn: str) -> torch.Tensor:
+        """Stages 1-2: this rank's chunk of the padded flat parameter forward reads."""
+        layout = self.layouts[fqn]
+        return self.state.params[fqn].view(layout.world_size, layout.shard_numel)[self.ranks.rank]
+
+    def _module_param(self, layout: ParamLayout) -> torch.Tensor:
+        """What the model's parameter becomes: the low-precision copy (stage 0 under mixed precision), a view of
+        the padded flat parameter (stages 1-2), or a tensor of its shape that holds nothing (stage 3)."""
+        if self.stage == 3:
+            return _hollow(layout, self.state.stored(layout.fqn))
+        stored = self.state.params[layout.fqn]
+        return stored if self.stage == 0 else layout.unpad(stored)
 
     def _point_optimizer_at_shards(self, binding: StepBinding, optimizer: torch.optim.Optimizer) -> list[str]:
         """Swap each parameter the shards replace for its shard in ``optimizer``, with the state the shards hold;
@@ -68,6 +97,13 @@ class Shards:
         fqn_of.update({id(shard): fqn for fqn, shard in self.params.items()})
         return order
 
+    def _cast_masters_into_params(self) -> None:
+        """The whole step's write-back after the update (``compute.copy_(master)``): the same rounding."""
+        with torch.no_grad():
+            for fqn in self._update_order:
+                target = self.state.params[fqn] if self.stage == 0 else self._compute_chunk(fqn)
+                target.copy_(self.params[fqn])
+
     @contextlib.contextmanager
     def gathered(self, binding: StepBinding):
         """Stage 3: the parameters full inside the block (for code that runs the model without the backend, which
@@ -76,30 +112,34 @@ class Shards:
             yield
             return
         for fqn, layout in self.layouts.items():
-            binding.params[fqn].data = gather_full(layout, self.state.params[fqn], self.ranks.group)
+            binding.params[fqn].data = gather_full(layout, self.graph_input(fqn), self.ranks.group).to(layout.dtype)
         try:
             yield
         finally:
             for fqn, layout in self.layouts.items():
-                binding.params[fqn].data = _hollow(layout, self.state.params[fqn])
+                binding.params[fqn].data = _hollow(layout, self.graph_input(fqn))
 
     def graph_input(self, fqn: str) -> torch.Tensor:
-        """Stage 3: what a compiled graph takes in place of parameter ``fqn``: this rank's shard."""
-        return self.state.params[fqn]
+        """Stage 3: what a compiled graph takes in place of parameter ``fqn``: this rank's shard (under mixed
+        precision its fp32 master, which the graph reads as a MASTER input: `aot_graphs.add_master_inputs`)."""
+        return self.state.stored(fqn)
 
-    def receive_grad(self, fqn: str, shard: torch.Tensor) -> None:
-        """A compiled backward's contribution to parameter ``fqn``'s gradient, averaged over ranks: this rank's
-        shard of it, accumulated as autograd accumulates ``.grad``."""
+    def receive_grad(self, fqn: str, grad: torch.Tensor) -> None:
+        """A compiled backward's contribution to parameter ``fqn``'s gradient, averaged over ranks (this rank's
+        shard of it from stage 1 on), in the precision of what the optimizer updates, accumulated as autograd
+        accumulates ``.grad``."""
         p = self.params[fqn]
         if p.grad is None:
-            p.grad = shard
+            p.grad = grad.to(p.dtype)
         else:
-            p.grad.add_(shard)
+            p.grad.add_(grad)
 
     def after_update(self, bucket_bytes: int | None) -> list[collectives.CollectiveRecord]:
-        """Stages 1-2, after ``optimizer.step()``: every rank's updated chunks gathered into the parameters; the
-        collectives it issued."""
-        if self.stage >= 3 or not self._update_order:
+        """After ``optimizer.step()``: under mixed precision (stages 0-2) the updated masters cast into the
+        parameters; at stages 1-2 every rank's updated chunks gathered into them. The collectives it issued."""
+        if self.mixed and self.stage < 3:
+            self._cast_masters_into_params()
+        if self.stage in (0, 3) or not self._update_order:
             return []
         if self._gather is None:
             ctx = PassContext(self.stage, self.ranks.size, self.ranks.group_name,
