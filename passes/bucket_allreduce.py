@@ -22,7 +22,8 @@ def bucket_allreduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ``ctx.bucket_bytes``. Right after a bucket's last gradient is produced, its gradients are copied into one flat
     buffer and all-reduced (averaged) asynchronously; the wait sits just before the first later reader of any of
     them; every later reader (clipping, the optimizer, the ``.grad`` left after the step) reads the averaged values
-    as views into that buffer, in ``ctx.reduce_dtype`` when it is set. The update equals DistributedDataParallel's. Leaves ``ctx.artifacts["grad_buckets"]``.
+    as views into that buffer, in ``ctx.reduce_dtype`` when it is set. The update equals DistributedDataParallel's.
+    Leaves ``ctx.artifacts["grad_buckets"]``.
     """
     if ctx.world_size == 1:
         return gm

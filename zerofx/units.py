@@ -41,8 +41,8 @@ def picked_modules(modules: list[nn.Module], prefixes: list[str], rule: UnitRule
 
 def check_rule(rule: UnitRule, argument: str = "units") -> None:
     if not (rule == "blocks" or _is_classes(rule) or callable(rule)):
-        raise ValueError(f"{argument} must be 'blocks', a module class, a tuple of classes or a predicate (path, module) "
-                         f"-> bool, got {rule!r}")
+        raise ValueError(f"{argument} must be 'blocks', a module class, a tuple of classes or a predicate "
+                         f"(path, module) -> bool, got {rule!r}")
 
 
 def _is_classes(rule) -> bool:
