@@ -128,6 +128,7 @@ class CompiledStep:
         self._owned: ShardedState | None = None
         self._owned_parts: dict | None = None
         self._last_key: dict | None = None
+        self._last_hash: int | None = None  # key_hash(self._last_key)
         self._last: runtime.CompiledGraph | None = None
         self._last_records: list = []
         self._last_probe: StepProbe | None = None
@@ -175,24 +176,30 @@ class CompiledStep:
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = self._dp.size, self._dp.rank, self._dp.group_name
         key = guards.step_key(binding, args, self._owned_parts, bool(self._reads_incoming_grads))
-        frozen = guards.freeze(key)
-        if key != self._last_key:
+        same = key == self._last_key  # the common case: no freezing, hashing or cache lookup
+        if not same:
             self._refuse_refreezing(binding)
         several_ranks = dist.is_initialized() and dist.get_world_size() > 1  # tensor-parallel peers included
         if several_ranks and self.config.verify_ranks:
-            settle = ranks.agree(guards.key_hash(key), "the step's inputs",
+            settle = ranks.agree(self._last_hash if same else guards.key_hash(key), "the step's inputs",
                                  lambda: guards.describe_change({}, key) if self._last_key is None
                                  else f"{guards.describe_change(self._last_key, key) or 'same as its last step'}")
-            if key == self._last_key and frozen in self._cache:
+            if same:
                 collectives.before_next_collective(settle)  # overlaps the step up to its first collective
             else:
                 settle()
-        compiled = self._cache.get(frozen)
-        built = compiled is None
-        if built:
-            compiled, key = self._build(binding, args, key, world_size, group_name)
+        built = False
+        if same:
+            compiled = self._last
         else:
-            self._cache.move_to_end(frozen)
+            frozen = guards.freeze(key)
+            compiled = self._cache.get(frozen)
+            built = compiled is None
+            if built:
+                compiled, key = self._build(binding, args, key, world_size, group_name)
+            else:
+                self._cache.move_to_end(frozen)
+            self._last_hash = guards.key_hash(key)
         if several_ranks and not compiled.verified:
             ranks.verify_same(compiled.fingerprint, "the captured graph",
                               lambda: f"graph fingerprint {compiled.fingerprint:x}")

@@ -27,6 +27,7 @@ class StepBinding:
     param_aliases: dict[str, str]  # every parameter name -> its fqn in ``params``
     buffers: dict[str, torch.Tensor]
     buffer_aliases: dict[str, str]
+    _submodules: list[list[nn.Module]] | None = None
 
     @classmethod
     def from_args(cls, args: tuple) -> "StepBinding":
@@ -74,6 +75,13 @@ class StepBinding:
 
     def modules(self, args: tuple) -> list[nn.Module]:
         return [args[i] for i in self.module_positions]
+
+    def submodules(self, args: tuple) -> list[list[nn.Module]]:
+        """Each module argument's modules, as they were when first asked for (walking them costs more than the
+        rest of a step's guard; the parameters are fixed when the binding is made)."""
+        if self._submodules is None:
+            self._submodules = [list(module.modules()) for module in self.modules(args)]
+        return self._submodules
 
     def optimizers(self, args: tuple) -> list[torch.optim.Optimizer]:
         return [args[i] for i in self.optimizer_positions]

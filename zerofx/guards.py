@@ -20,7 +20,14 @@ from zerofx.binding import StepBinding, present_grads
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), str(t.dtype), t.device.type)
+    # read for every parameter and state tensor each step: is_cpu costs a sixth of making a torch.device
+    return (t.shape, t.dtype, "cpu" if t.is_cpu else t.device.type)
+
+
+def _state_part(opt: torch.optim.Optimizer, fqn_of: dict[int, str]) -> tuple:
+    return tuple((fqn_of[id(p)], tuple((k, _tensor_meta(v) if isinstance(v, torch.Tensor) else repr(v))
+                                       for k, v in sorted(s.items())))
+                 for p, s in opt.state.items())
 
 
 def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | None = None,
@@ -29,11 +36,13 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
     describing state a sharded step has taken from the module and optimizer (recorded before it released them).
     Which parameters have a ``.grad`` is part of the key only for a step that reads incoming gradients."""
     fqn_of = binding.fqn_of
+    owned_parts = owned_parts or {}  # not recomputed: reading them is most of a step's guard cost
     key = {
-        "params": tuple((fqn, _tensor_meta(p)) for fqn, p in binding.params.items()),
+        "params": owned_parts["params"] if "params" in owned_parts
+        else tuple((fqn, _tensor_meta(p)) for fqn, p in binding.params.items()),
         "requires_grad": tuple(fqn for fqn, p in binding.params.items() if p.requires_grad),
         "buffers": tuple((fqn, _tensor_meta(b)) for fqn, b in binding.buffers.items()),
-        "training": tuple(tuple(m.training for m in module.modules()) for module in binding.modules(args)),
+        "training": tuple(tuple(m.training for m in modules) for modules in binding.submodules(args)),
         "grad_enabled": (torch.is_grad_enabled(),),
     }
     for oi, opt in enumerate(binding.optimizers(args)):
@@ -55,16 +64,12 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
                     guarded.append((name, repr(value)))
             groups.append(tuple(guarded))
         key[f"optimizer{oi}"] = (type(opt).__name__, tuple(groups))
-        key[f"optimizer{oi}_state"] = tuple(
-            (fqn_of[id(p)], tuple((k, _tensor_meta(v) if isinstance(v, torch.Tensor) else repr(v))
-                                  for k, v in sorted(s.items())))
-            for p, s in opt.state.items()
-        )
+        state_part = f"optimizer{oi}_state"
+        key[state_part] = owned_parts[state_part] if state_part in owned_parts else _state_part(opt, fqn_of)
     leaves, spec = pytree.tree_flatten(binding.batch(args))
     key["batch"] = (str(spec),) + tuple(_tensor_meta(x) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
     if reads_incoming_grads:
         key["grads"] = tuple(present_grads(binding))
-    key.update(owned_parts or {})
     return key
 
 

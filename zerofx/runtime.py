@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import inspect
@@ -54,6 +55,11 @@ class CompiledGraph:
         if self._memory_plan is None:
             self._memory_plan = plan_step(self.gm.graph)
         return self._memory_plan
+
+    @functools.cached_property
+    def takes_rank_or_arena(self) -> bool:
+        """Whether a graph input comes from neither the module nor the optimizer nor the batch."""
+        return any(slot.role in (Role.TP_RANK, Role.ARENA) for slot in self.input_slots)
 
     @property
     def fingerprint(self) -> int:
@@ -177,7 +183,9 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
             return compiled.arena()
         return state.lookup(slot) if state else None
 
-    inputs = input_values(binding, args, compiled.input_slots, for_trace=False, override=lookup)
+    needs_lookup = state is not None or compiled.takes_rank_or_arena
+    inputs = input_values(binding, args, compiled.input_slots, for_trace=False,
+                          override=lookup if needs_lookup else None)
     try:
         with torch.no_grad():
             outputs = probe.run_step(inputs, roots=inputs) if probe else compiled.gm(*inputs)
