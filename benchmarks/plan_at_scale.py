@@ -98,15 +98,23 @@ def one_trillion() -> None:
 def activations() -> None:
     """GPT-2 1.5B at batch 32 × 1024 tokens on one rank, with and without checkpointed blocks."""
     shape = model_shape("gpt2-xl")
-    rows = []
+    rows, made_by = [], {}
     for paper, options in zip(PAPER["activations, 1.5B GPT-2, batch 32, seq 1024: none / checkpointed blocks (GB)"],
                               ({}, {"checkpoint": "blocks"})):
         stats = plan_decoder(shape, world_size=1, stage=0, batch=32, seq=1024, **MIXED, **options)
-        rows.append(["blocks" if options else "none", f"{stats.activation_bytes / GB:.1f}", paper,
+        checkpointing = "blocks" if options else "none"
+        rows.append([checkpointing, f"{stats.activation_bytes / GB:.1f}", paper,
                      f"{stats.checkpoint_bytes / GB:.2f}", f"{stats.peak_bytes / GB:.1f}"])
+        made_by[checkpointing] = stats.activations_at_peak
     print(f"\n## Activations: {shape.name} (Ψ = {num_params(shape) / 1e9:.2f}B), batch 32 x 1024 tokens, bf16")
     print(tabulate(rows, headers=["checkpointing", "activations (GB)", "paper (GB)", "checkpoints (GB)",
                                   "peak (GB)"], disable_numparse=True))
+    print("\nWhat the activations are at their peak, by the op that made them (GB):")
+    for checkpointing, parts in made_by.items():
+        shown = list(parts.items())[:5]
+        rest = sum(parts.values()) - sum(nbytes for _, nbytes in shown)
+        print(f"- {checkpointing}: " + ", ".join(f"{what} {nbytes / GB:.2f}" for what, nbytes in shown)
+              + f", the rest {rest / GB:.2f}")
 
 
 def tensor_parallel() -> None:

@@ -1,6 +1,8 @@
 """``zerofx.plan``: predictions for a world of any size from the step's graph, checked against runs that really
 happen here and against the paper's formula (its figures at scale: benchmarks/plan_at_scale.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,3 +141,19 @@ def test_command_line_prints_the_stages_of_a_hugging_face_model(tmp_path, capsys
     want = 14 * num_params(model_shape(str(tmp_path))) / 8
     assert row[0] == "3" and row[-1] == "yes", lines
     assert abs(parse_bytes(row[1] + row[2]) / want - 1) <= 0.01, (row, want)
+
+
+def test_activations_at_their_peak_are_named_by_the_op_that_made_them():
+    """With checkpointed blocks, GPT-2's activations peak in the loss's backward: every block's input is kept, and
+    three B·T·V tensors over the vocabulary are alive (the log-probabilities, their gradient, the logits')."""
+    shape = dataclasses.replace(model_shape("gpt2").with_depth(2), d_model=64, n_head=2, d_ff=256)
+    batch, seq = 2, 32
+    stats = plan_decoder(shape, world_size=1, stage=0, batch=batch, seq=seq, checkpoint="blocks")
+    parts = stats.activations_at_peak
+    over_vocabulary = batch * seq * shape.vocab_size * 4
+    assert parts["aten._log_softmax.default"] == over_vocabulary
+    assert parts["aten.nll_loss_backward.default"] == over_vocabulary
+    assert parts["aten._log_softmax_backward_data.default"] == over_vocabulary
+    assert parts["checkpoints"] == shape.n_layer * batch * seq * shape.d_model * 4
+    assert sum(parts.values()) == stats.activation_bytes
+    assert list(parts.values()) == sorted(parts.values(), reverse=True)

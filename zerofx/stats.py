@@ -52,6 +52,8 @@ class StepStats:
     arena_bytes: int = 0  # the planned arena: the smaller of one joint plan and one pool per lifetime class
     arena_bytes_by_layout: dict[str, int] = field(default_factory=dict)  # both ("joint", "pools by class")
     largest_at_peak: list[tuple[str, str, int]] = field(default_factory=list)  # (buffer, class, bytes), inputs too
+    # plans: the activation bytes alive when the most are (activation_bytes), by the op that made them
+    activations_at_peak: dict[str, int] = field(default_factory=dict)
 
     @property
     def fragmentation(self) -> float:

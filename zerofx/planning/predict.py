@@ -9,9 +9,9 @@ and records every collective the rank would issue. Bytes then come from the fina
   state), and the gradients alive when backward ends;
 - peak: the most bytes alive at once, inputs included;
 - activations: the most bytes of activations and activation checkpoints alive at once while forward and backward run
-  (everything the step allocates that is not a model state, a gathered parameter or a communication buffer). Attention
-  counts as the fused kernel a real run uses (`on_meta`): per layer it keeps its output and one fp32 log-sum-exp
-  per query and head, never T × T scores;
+  (everything the step allocates that is not a model state, a gathered parameter or a communication buffer), and
+  what they are at that moment, by the op that made them. Attention counts as the fused kernel a real run uses
+  (`on_meta`): per layer it keeps its output and one fp32 log-sum-exp per query and head, never T × T scores;
 - checkpoints: the most checkpoint bytes resident on the device at once, and in host memory (offloaded).
 """
 
@@ -92,12 +92,25 @@ def predicted(stats: StepStats, graph: fx.Graph) -> StepStats:
     states["total"] = sum(states[name] for name in _MODEL_STATES)
     zero = [0] * len(nodes)
     activations = [sum(live.get(c, zero)[i] for c in _ACTIVATIONS) for i in forward_backward]
+    at_peak = forward_backward[max(range(len(activations)), key=activations.__getitem__)] if activations else None
     host = live_by_category([s for s in spans if s.device != device], len(nodes)).get("offloaded")
     return dataclasses.replace(
         stats, model_state_bytes=states, peak_bytes=peak_live(on_device)[0],
         activation_bytes=int(max(activations, default=0)),
+        activations_at_peak=_made_by(nodes, on_device, at_peak),
         resident_checkpoint_bytes=int(max(live.get("checkpoints", zero), default=0)),
         offloaded_bytes=int(host.max()) if host is not None else 0)
+
+
+def _made_by(nodes: list[fx.Node], spans: list[Lifetime], position: int | None) -> dict[str, int]:
+    """The activation bytes alive at ``position`` by the op that made them (checkpoints together), largest first."""
+    target = {n.name: str(n.target) for n in nodes}
+    made_by: dict[str, int] = {}
+    for s in spans:
+        if position is not None and s.category in _ACTIVATIONS and s.start <= position < s.end:
+            what = "checkpoints" if s.category == "checkpoints" else target[s.node]
+            made_by[what] = made_by.get(what, 0) + s.nbytes
+    return dict(sorted(made_by.items(), key=lambda item: -item[1]))
 
 
 def _alive_at(spans: list[Lifetime], category: str, position: int | None) -> int:
