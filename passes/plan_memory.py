@@ -11,6 +11,7 @@ several tensors, ops without an ``out=`` variant, strided outputs) is counted by
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.memory.lifetimes import Lifetime, lifetimes, live_bytes, step_device
-from zerofx.memory.pools import place
+from zerofx.memory.pools import place, slot_view
 from zerofx.passes.context import PassContext
 from zerofx.passes.graph_edit import add_call, fake_mode_of
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot
@@ -54,12 +55,17 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not chosen:
         return gm
     placed = place(chosen, ALIGNMENT)  # heuristics only: the plan, and so the graph, is the same on every rank
-    arena = _arena_placeholder(graph, placed.arena_bytes, chosen[0].device)
     offsets: dict[str, list[int]] = {}
     for span, offset in zip(chosen, placed.offsets):
         offsets.setdefault(span.node, []).append(offset)
-    for name, node_offsets in offsets.items():
-        _write_into_slots(graph, nodes[name], arena, node_offsets)
+    planned = [(nodes[name], node_offsets) for name, node_offsets in offsets.items()]
+    arena = _arena_placeholder(graph, placed.arena_bytes, chosen[0].device,
+                               [(val, offset) for node, node_offsets in planned
+                                for val, offset in zip(_outputs(node), node_offsets)])
+    slot = 0
+    for node, node_offsets in planned:
+        _write_into_slots(graph, node, arena, range(slot, slot + len(node_offsets)))
+        slot += len(node_offsets)
     ctx.artifacts["arena_bytes"] = placed.arena_bytes
     ctx.artifacts["memory_plan"] = PlannedMemory(len(chosen), sum(s.nbytes for s in chosen), placed.arena_bytes,
                                                  placed.lower_bound_bytes, dict(left), placed.layout,
@@ -147,26 +153,29 @@ def _out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, list
     return None
 
 
-def _arena_placeholder(graph: fx.Graph, nbytes: int, device: torch.device) -> fx.Node:
+def _arena_placeholder(graph: fx.Graph, nbytes: int, device: torch.device,
+                       slots: list[tuple[torch.Tensor, int]]) -> fx.Node:
+    """The ``arena`` input: its slots, views of one ``uint8`` buffer of ``nbytes``, one per planned output (like
+    ``val``, at byte ``offset``). The runtime makes them once (`CompiledGraph.arena`): a step picks them out of a
+    list instead of slicing the arena again every time."""
     last_placeholder = [p for p in graph.nodes if p.op == "placeholder"][-1]
     with graph.inserting_after(last_placeholder):
         arena = graph.placeholder("arena")
     with fake_mode_of(graph):
-        val = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    arena.meta.update(val=val, **{TAG: NodeTag(Phase.FORWARD, 0, [Slot(Role.ARENA)])})
+        raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        views = [slot_view(raw, offset, val.dtype, val.shape) for val, offset in slots]
+    arena.meta.update(val=views, **{TAG: NodeTag(Phase.FORWARD, 0, [Slot(Role.ARENA)])})
     return arena
 
 
-def _write_into_slots(graph: fx.Graph, node: fx.Node, arena: fx.Node, offsets: list[int]) -> None:
+def _write_into_slots(graph: fx.Graph, node: fx.Node, arena: fx.Node, slots: range) -> None:
     variant, out_names = _out_variant(node.target)
-    slots = {}
+    outs = {}
     with graph.inserting_before(node):
-        for name, val, offset in zip(out_names, _outputs(node), offsets):
-            raw = add_call(graph, aten.slice.Tensor, (arena, 0, offset, offset + val.numel() * val.element_size()),
-                           like=node)
-            typed = add_call(graph, aten.view.dtype, (raw, val.dtype), like=node)
-            slots[name] = add_call(graph, aten.view.default, (typed, list(val.shape)), like=node)
-        written = graph.call_function(variant, node.args, {**node.kwargs, **slots})
+        for name, slot in zip(out_names, slots):
+            outs[name] = add_call(graph, operator.getitem, (arena, slot), like=node,
+                                  val=arena.meta["val"][slot])
+        written = graph.call_function(variant, node.args, {**node.kwargs, **outs})
     written.meta.update(node.meta)
     node.replace_all_uses_with(written)
     graph.erase_node(node)

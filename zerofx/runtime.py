@@ -20,6 +20,7 @@ from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
 from zerofx.memory import timeline
 from zerofx.memory.lifetimes import StepMemoryPlan, lifetimes, plan_step
+from zerofx.memory.pools import slot_view
 from zerofx.mesh import DTensorSpecs, local, wrap
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext, pipeline
@@ -40,14 +41,15 @@ class CompiledGraph:
     snapshots: dict[str, GraphSnapshot] = field(default_factory=dict)  # "capture" and each pass's (keep_graphs)
     verified: bool = False
     _memory_plan: StepMemoryPlan | None = None
-    _arena: torch.Tensor | None = None
+    _arena: list[torch.Tensor] | None = None
 
-    def arena(self) -> torch.Tensor:
-        """The bytes the planned buffers live in (``memory_plan``): allocated on the first step, kept after."""
+    def arena(self) -> list[torch.Tensor]:
+        """The planned buffers (``memory_plan``): views of one buffer allocated on the first step, kept after."""
         if self._arena is None:
             planned = next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == "arena")
-            val = planned.meta["val"]
-            self._arena = torch.empty(val.numel(), dtype=torch.uint8, device=val.device)
+            slots = planned.meta["val"]
+            raw = torch.empty(slots[0].untyped_storage().nbytes(), dtype=torch.uint8, device=slots[0].device)
+            self._arena = [slot_view(raw, s.storage_offset() * s.element_size(), s.dtype, s.shape) for s in slots]
         return self._arena
 
     def memory_plan(self) -> StepMemoryPlan:

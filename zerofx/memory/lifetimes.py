@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerofx import collectives
 from zerofx.memory.planner import Block
@@ -94,8 +95,18 @@ class _Buffers:
             return [(node, None, val)]
         if not isinstance(val, (list, tuple)):
             return []
-        self.keys[node] = [(node, i) if isinstance(t, torch.Tensor) else None for i, t in enumerate(val)]
-        return [(node, i, t) for i, t in enumerate(val) if isinstance(t, torch.Tensor)]
+        keys, defined, first_in = [], [], {}  # views of one storage (the arena's slots) are one buffer
+        for i, t in enumerate(val):
+            if not isinstance(t, torch.Tensor):
+                keys.append(None)
+                continue
+            storage = StorageWeakRef(t.untyped_storage()).cdata
+            if storage not in first_in:
+                first_in[storage] = (node, i)
+                defined.append((node, i, t))
+            keys.append(first_in[storage])
+        self.keys[node] = keys
+        return defined
 
     def follow(self, node: fx.Node) -> bool:
         """Record ``node`` as aliasing buffers it reads (a view, an in-place result, a wait, an element of a list,

@@ -1,10 +1,14 @@
 """A step's buffers in one arena, laid out two ways: one joint plan over all of them, or one pool per class
 (activations, gradients, communication buffers, ...) side by side, in which no two classes ever share bytes. The
-smaller arena is kept; both sizes are reported. This module is the one place that chooses."""
+smaller arena is kept; both sizes are reported. This module is the one place that chooses, and that makes a slot's
+tensor out of the arena's bytes."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 from zerofx.memory.planner import HEURISTICS, plan
 
@@ -41,3 +45,8 @@ def place(spans: list, alignment: int = 64, layout: str | None = None) -> Placem
     if layout == BY_CLASS or layout is None and base < joint.arena_bytes:
         return Placement(BY_CLASS, tuple(offsets), base, joint.lower_bound_bytes, sizes, pools)
     return Placement(JOINT, joint.offsets, joint.arena_bytes, joint.lower_bound_bytes, sizes, {})
+
+
+def slot_view(raw: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The contiguous tensor of ``dtype`` and ``shape`` at byte ``offset`` of the ``uint8`` buffer ``raw``."""
+    return raw[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
