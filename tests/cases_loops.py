@@ -181,7 +181,15 @@ def fp16_clip_against_grad_scaler(rank, world_size, stage, steps=5, bucket_bytes
     torch.testing.assert_close(norms, ref_norms, rtol=2e-2, atol=0)
     ours = zerofx.full_state_dict(step)["model"]
     for name, p in ref_model.named_parameters():
-        torch.testing.assert_close(ours[name], p.full_tensor(), rtol=0, atol=2e-3, msg=name)
+        ref, mine = p.full_tensor(), ours[name]
+        if name.endswith("attn.qkv.bias"):
+            # The key bias's gradient is zero in exact arithmetic (softmax ignores a shift along a query's row), so
+            # in float16 it is rounding noise and Adam moves it by +-lr on it: only that bound holds there.
+            width = ref.numel() // 3
+            key = slice(width, 2 * width)
+            assert (mine[key] - ref[key]).abs().max() <= 2 * steps * opt.param_groups[0]["lr"], name
+            ref, mine = torch.cat([ref[:width], ref[2 * width:]]), torch.cat([mine[:width], mine[2 * width:]])
+        torch.testing.assert_close(mine, ref, rtol=0, atol=2e-3, msg=name)
     return {"norms": norms, "scale": step.loss_scale, "ref_scale": scaler.get_scale()}
 
 
