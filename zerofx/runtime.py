@@ -63,6 +63,11 @@ class CompiledGraph:
         """Whether a graph input comes from neither the module nor the optimizer nor the batch."""
         return any(slot.role in (Role.TP_RANK, Role.ARENA) for slot in self.input_slots)
 
+    @functools.cached_property
+    def grads_read(self) -> frozenset[str]:
+        """The parameters whose incoming ``.grad`` the step reads (accumulates into)."""
+        return frozenset(slot.fqn for slot in self.input_slots if slot.role == Role.GRAD_IN)
+
     @property
     def fingerprint(self) -> int:
         return fingerprint(self.gm)
@@ -185,6 +190,7 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
             return compiled.arena()
         return state.lookup(slot) if state else None
 
+    _release_unread_grads(binding, compiled.grads_read)
     needs_lookup = state is not None or compiled.takes_rank_or_arena
     inputs = input_values(binding, args, compiled.input_slots, for_trace=False,
                           override=lookup if needs_lookup else None)
@@ -211,6 +217,15 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
             p.grad = None  # the step left no gradient (zero_grad at its end, or a sharded stage)
     leaves = [user_leaves[i] for i in range(len(user_leaves))]
     return pytree.tree_unflatten(leaves, compiled.captured.user_out_spec)
+
+
+def _release_unread_grads(binding: StepBinding, read: frozenset[str]) -> None:
+    """Drop the gradients the step will not read before it runs, as the ``zero_grad()`` it opens with does eagerly:
+    the step replaces or clears every trainable parameter's ``.grad`` at its end anyway, and holding the last step's
+    through this one would add them to its peak."""
+    for fqn, p in binding.params.items():
+        if p.grad is not None and fqn not in read:
+            p.grad = None
 
 
 def _set_buffer(binding: StepBinding, args: tuple, fqn: str, value: torch.Tensor) -> None:
