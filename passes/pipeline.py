@@ -67,7 +67,8 @@ class Pipeline:
         return "\n".join(lines)
 
 
-def pipeline(stage: int) -> Pipeline:
+def pipeline(stage: int, cast_at_gather: bool = True) -> Pipeline:
+    """``cast_at_gather=False`` (``MixedPrecision``'s): stage 3 keeps its ``param_dtype`` shards and gathers them."""
     if stage not in _STAGES:
         raise ValueError(f"stage must be one of {sorted(_STAGES)}, got {stage!r}")
-    return Pipeline(stage, _STAGES[stage])
+    return Pipeline(stage, tuple(p for p in _STAGES[stage] if cast_at_gather or p is not cast_params_at_gather))

@@ -13,7 +13,8 @@ ONE_BLOCK_GPT = dataclasses.replace(TINY_GPT, n_layer=1)  # every kind of layer 
 BATCH = 4
 # every stage once, half of them in bf16 (master weights; stage 3 gathers casts of them)
 RUNS = {"stage 0": {"stage": 0}, "stage 1 bf16": {"stage": 1, "mixed_precision": "bf16"}, "stage 2": {"stage": 2},
-        "stage 3 bf16": {"stage": 3, "mixed_precision": "bf16"}}
+        "stage 3 bf16": {"stage": 3, "mixed_precision": "bf16"},
+        "stage 3 bf16, bf16 shard kept": {"stage": 3, "mixed_precision": "bf16 shard kept"}}
 OPTIMIZERS = {  # AdamW as the paper's figures assume; SGD with momentum (one state tensor, traced faster) besides
     "adamw": lambda params: torch.optim.AdamW(params, lr=3e-3),
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
@@ -29,9 +30,12 @@ def one_block_gpt(optimizer: str, device=None):
 
 
 def compile_options(options: dict) -> dict:
-    """``options`` with "bf16" standing for bf16 mixed precision (a MixedPrecision does not cross processes)."""
-    if options.get("mixed_precision") == "bf16":
-        return {**options, "mixed_precision": zerofx.MixedPrecision(param_dtype=torch.bfloat16)}
+    """``options`` with "bf16" standing for bf16 mixed precision, "bf16 shard kept" for it with
+    ``cast_at_gather=False`` (a MixedPrecision does not cross processes)."""
+    kind = options.get("mixed_precision")
+    if kind in ("bf16", "bf16 shard kept"):
+        mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16, cast_at_gather=kind == "bf16")
+        return {**options, "mixed_precision": mixed}
     return options
 
 

@@ -81,15 +81,15 @@ def _graph_high_water(step, category):
 
 
 def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshard_after_forward=True,
-               prefetch=1, mixed=False, reduce_fp32=False):
+               prefetch=1, mixed=False, reduce_fp32=False, cast_at_gather=True):
     """One measured step: stats, the layouts, and what CommDebugMode saw dispatched around it."""
     cfg = cfg or TINY_GPT
     model, opt = gpt_and_adamw(cfg=cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the paper's fp32 Adam: K = 8
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes, track_memory=True,
                           reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-                          mixed_precision=zerofx.MixedPrecision(torch.bfloat16, torch.float32 if reduce_fp32 else None)
-                          if mixed else None)
+                          mixed_precision=zerofx.MixedPrecision(torch.bfloat16, torch.float32 if reduce_fp32 else None,
+                                                                cast_at_gather=cast_at_gather) if mixed else None)
     step(model, opt, *token_batch(0, rank, cfg=cfg))
     with CollectiveSizes() as comm:
         step(model, opt, *token_batch(1, rank, cfg=cfg))
@@ -149,6 +149,33 @@ def load_full_state_then_train(rank, world_size, stage):
     on_rank0 = zerofx.full_state_dict(step, rank0_only=True)
     return {"rank0_only_empty": on_rank0 == {},
             "optimizer_state_released": opt.state[model.wte.weight]["exp_avg"].numel()}
+
+
+def bf16_shard_kept_or_cast_at_gather(rank, world_size, steps=4):
+    """Stage 3 in bf16 with a bf16 shard kept (``cast_at_gather=False``) against casting the masters at each gather:
+    the same rounding, so the same losses and masters bitwise; a full state saved from one loads into the other, whose
+    bf16 shards are then refreshed from the loaded masters, and the two go on alike."""
+    runs = {}
+    for cast_at_gather in (True, False):
+        model, opt = gpt_and_adamw()
+        step = zerofx.compile(train_step, stage=3, mixed_precision=zerofx.MixedPrecision(
+            torch.bfloat16, cast_at_gather=cast_at_gather))
+        runs[cast_at_gather] = (model, opt, step, [step(model, opt, *token_batch(i, rank)).item() for i in range(steps)])
+    (_, _, cast, cast_losses), (model, opt, kept, kept_losses) = runs[True], runs[False]
+    assert kept_losses == cast_losses
+    full = zerofx.full_state_dict(cast)
+    for name, value in zerofx.full_state_dict(kept)["model"].items():
+        assert torch.equal(value, full["model"][name]), name
+    fresh_model, fresh_opt = gpt_and_adamw()
+    resumed = zerofx.compile(train_step, stage=3, mixed_precision=zerofx.MixedPrecision(torch.bfloat16,
+                                                                                        cast_at_gather=False))
+    resumed.bind(fresh_model, fresh_opt, *token_batch(0, rank))
+    zerofx.load_state_dict(resumed, zerofx.state_dict(cast))
+    later = [(resumed(fresh_model, fresh_opt, *token_batch(i, rank)).item(),
+              cast(runs[True][0], runs[True][1], *token_batch(i, rank)).item()) for i in range(steps, steps + 2)]
+    assert all(a == b for a, b in later), later
+    return {"kept_param_bytes": kept.stats().model_state_bytes["params"],
+            "cast_param_bytes": cast.stats().model_state_bytes["params"]}
 
 
 def bf16_against_fsdp2(rank, world_size, stage, steps=10, reduce_fp32=False, bucket_bytes=8 * 1024):

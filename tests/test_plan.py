@@ -129,16 +129,19 @@ def test_bad_input_names_the_argument(tmp_path):
         plan_decoder(KNOWN["gpt2"], world_size=2, stage=0, seq=4096)
 
 
-def test_command_line_prints_the_stages_of_a_hugging_face_model(tmp_path, capsys):
+@pytest.mark.parametrize("keep_param_shard", [False, True])
+def test_command_line_prints_the_stages_of_a_hugging_face_model(tmp_path, capsys, keep_param_shard):
     """``python -m zerofx plan`` for a config read from a directory: the stage 3 row's model states are the formula's
-    (b_g + K)Ψ/N_d for bf16 mixed-precision Adam, 14Ψ/N_d, within 1% (padding to a multiple of N_d)."""
+    (b_g + K)Ψ/N_d for bf16 mixed-precision Adam, 14Ψ/N_d, within 1% (padding to a multiple of N_d); with
+    ``--keep-param-shard`` the paper's (b_p + b_g + K)Ψ/N_d, 16Ψ/N_d."""
     import transformers
 
     transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32).save_pretrained(tmp_path)
-    main(["plan", "--model", str(tmp_path), "--world", "8", "--stage", "3", "--batch", "2", "--device-memory", "1GB"])
+    main(["plan", "--model", str(tmp_path), "--world", "8", "--stage", "3", "--batch", "2", "--device-memory", "1GB",
+          *(["--keep-param-shard"] if keep_param_shard else [])])
     lines = capsys.readouterr().out.splitlines()
     row = lines[-1].split()
-    want = 14 * num_params(model_shape(str(tmp_path))) / 8
+    want = (16 if keep_param_shard else 14) * num_params(model_shape(str(tmp_path))) / 8
     assert row[0] == "3" and row[-1] == "yes", lines
     assert abs(parse_bytes(row[1] + row[2]) / want - 1) <= 0.01, (row, want)
 

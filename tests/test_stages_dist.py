@@ -177,21 +177,29 @@ def test_bf16_matches_fsdp2_with_the_same_policy(ranks2, stage):
     assert len(result["losses"]) == len(result["fsdp_losses"]) == 10
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_bf16_adam_model_states_are_the_papers(ranks4, stage):
+@pytest.mark.parametrize("stage, cast_at_gather", [(0, True), (1, True), (2, True), (3, True), (3, False)])
+def test_bf16_adam_model_states_are_the_papers(ranks4, stage, cast_at_gather):
     """16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N: the formula this step reports gives the paper's figures at the paper's
     Ψ and N_d (printed to three significant figures), and the bytes measured here within padding and Adam's step
-    counters."""
-    r = ranks4.run(cases.accounting, stage=stage, cfg=cases.ODD_GPT, mixed=True)[0]
+    counters. Stage 3 holds the paper's 16Ψ/N_d with a bf16 shard kept (``cast_at_gather=False``), else 14Ψ/N_d."""
+    r = ranks4.run(cases.accounting, stage=stage, cfg=cases.ODD_GPT, mixed=True, cast_at_gather=cast_at_gather)[0]
     n, psi = 4, r["num_params"]
     formula, measured = r["formula_total"], r["model_state_bytes"]["total"]
-    if stage < 3:
+    if stage < 3 or not cast_at_gather:
         assert f"{r['formula_at_paper_scale'] / 1e9:.3g}" == PAPER_GB[stage]
+        if stage == 3:  # this rank's bf16 shard of every parameter: 2Ψ/N_d, padded
+            assert r["model_state_bytes"]["params"] == 2 * r["padded_params"] // n
     else:  # no bf16 shard is kept (its all-gathers cast the fp32 masters): 14Ψ/N_d, 2Ψ/N_d under the paper's 16Ψ/N_d
         assert f"{r['formula_at_paper_scale'] / 1e9:.3g}" == "1.64"  # 14 x 7.5e9 / 64
         assert r["model_state_bytes"]["params"] == 0
         assert measured < 16 * psi / n
     assert formula <= measured <= formula + 28 * ((n - 1) * 16 + 4), (measured, formula)
+
+
+def test_bf16_stage3_with_its_shard_kept_trains_bitwise_as_casting_at_gather(ranks2):
+    result = ranks2.run(cases.bf16_shard_kept_or_cast_at_gather)[0]
+    assert result["cast_param_bytes"] == 0
+    assert result["kept_param_bytes"] == 2 * 28064 // 2  # the tiny GPT's Ψ in bf16, halved: even sizes, no padding
 
 
 @pytest.mark.parametrize("stage", [0, 2])

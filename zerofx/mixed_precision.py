@@ -31,6 +31,10 @@ class MixedPrecision:
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype | None = None  # gradients are reduced in this dtype; None: param_dtype
     loss_scaling: LossScaling | None = None  # None: on for float16, off otherwise
+    # stage 3: all-gathers send casts of the fp32 master shards and no param_dtype shard is kept, as FSDP2 does;
+    # False keeps a param_dtype copy of each shard, written once after each update (DeepSpeed's layout and the
+    # paper's b_pΨ/N_d): more memory, one cast per step instead of one per gather
+    cast_at_gather: bool = True
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -158,7 +158,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
         if dump_dir:
             dump.write(dump_dir, index, name, gm)
 
-    gm = pipeline(ctx.stage).run(captured.gm, ctx, after_each)
+    gm = pipeline(ctx.stage, cast_at_gather=mixed is None or mixed.cast_at_gather).run(captured.gm, ctx, after_each)
     if dump_dir:
         dump.write_units(dump_dir, ctx.artifacts)
         _write_timeline(dump_dir, snapshots)

@@ -2,7 +2,7 @@
 
 On its first call (or `bind`) the step takes the module's parameters and the optimizer's state, keeps what the stage
 stores (stages 1-2: every full parameter, padded; stage 3: this rank's shard, none in ``param_dtype`` under mixed
-precision, where the gathers cast the masters; stages 1-3: this rank's shard of each optimizer state tensor and,
+precision unless ``cast_at_gather=False``, as the gathers cast the masters; stages 1-3: this rank's shard of each optimizer state tensor and,
 under mixed precision, of each fp32 master weight), and releases the originals: their
 memory is freed and reading them gives an empty tensor. At stage 0 it owns only the low-precision compute copies of
 mixed precision; the module's fp32 parameters are the master weights. `zerofx.state_dict(step)` shows this state in
@@ -30,7 +30,7 @@ class ShardedState:
     layouts: dict[str, ParamLayout]
     mixed: MixedPrecision | None = None
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # what forward reads or gathers (param_dtype if
-    # mixed; none at stage 3 under mixed precision, whose all-gathers cast the masters)
+    # mixed; none at stage 3 under mixed precision with cast_at_gather, whose all-gathers cast the masters)
     masters: dict[str, torch.Tensor] = field(default_factory=dict)  # mixed, stages 1-3: fp32 master shards
     opt_state: dict[tuple[int, str, str], torch.Tensor] = field(default_factory=dict)  # (optimizer, fqn, key)
     sharded_state_keys: set[tuple[int, str, str]] = field(default_factory=set)
@@ -69,8 +69,8 @@ class ShardedState:
                 self.masters[fqn] = layout.shard_of(p, self.rank)
             if self.stage < 3:
                 self.params[fqn] = layout.padded_flat(compute)
-            elif not mixed:  # stage 3 under mixed precision gathers casts of the masters: no param_dtype shard
-                self.params[fqn] = layout.shard_of(p, self.rank)
+            elif not mixed or not mixed.cast_at_gather:  # else the gathers cast the masters: no param_dtype shard
+                self.params[fqn] = layout.shard_of(compute, self.rank)
         if self.stage == 0 or not new:
             return bool(new)
         fqn_of = binding.fqn_of

@@ -281,4 +281,5 @@ def _refresh_compute_copies(binding, owned) -> None:
             owned.params[fqn].copy_(binding.params[fqn])
         elif owned.stage < 3:
             owned.params[fqn].copy_(layout.padded_flat(gather_full(layout, owned.masters[fqn])))
-        # stage 3 keeps no param_dtype shard: its gathers cast the masters
+        elif fqn in owned.params:  # stage 3 keeps a param_dtype shard only with cast_at_gather=False
+            owned.params[fqn].copy_(owned.masters[fqn])

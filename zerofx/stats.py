@@ -116,7 +116,7 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
                                b_grad=mixed.grad_dtype.itemsize if mixed else element,
                                k_optimizer=_k_optimizer(binding, args, owned) + (4 if mixed else 0),
                                reshard_after_forward=config.reshard_after_forward,
-                               micro_batches=micro, casts_masters=mixed is not None)
+                               micro_batches=micro, casts_masters=mixed is not None and mixed.cast_at_gather)
     recomputed = compiled.ctx.artifacts.get("recomputed", {}).values()
     memory = compiled.memory_plan()
     return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),

@@ -188,6 +188,10 @@ def _check_mixed_precision(model: nn.Module, mixed: MixedPrecision | None) -> No
             f"zerofx.prepare: mixed_precision with loss scaling (param_dtype={mixed.param_dtype}, loss_scaling="
             f"{mixed.loss_scaling}) is not supported by the backend path yet; use param_dtype=torch.bfloat16, or "
             "zerofx.compile for float16 with loss scaling")
+    if not mixed.cast_at_gather:
+        raise NotImplementedError(
+            "zerofx.prepare: mixed_precision with cast_at_gather=False (a param_dtype shard kept at stage 3) is not "
+            "supported by the backend path yet: its stage 3 gathers casts of the fp32 masters; use zerofx.compile")
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
     if frozen:
         raise NotImplementedError(

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bf16: mixed precision with fp32 master weights (the paper's 16 bytes per parameter); "
                              "pure-bf16: parameters, gradients and optimizer state in bf16 (with --tp, which mixed "
                              "precision does not support)")
+    parser.add_argument("--keep-param-shard", action="store_true",
+                        help="bf16, stage 3: keep a bf16 copy of each shard (MixedPrecision(cast_at_gather=False)), "
+                             "DeepSpeed's and the paper's layout, instead of gathering casts of the fp32 masters")
     parser.add_argument("--device-memory", type=parse_bytes, help="bytes per device, e.g. 32GB, 80GiB")
     parser.add_argument("--max-model", action="store_true", help="the deepest model that fits, per stage")
     parser.add_argument("--confirm", action="store_true", help="with --max-model: plan the model found, too")
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> str:
 def _options(args) -> dict:
     options = {"tp": args.tp, "batch": args.batch, "seq": args.seq}
     if args.precision == "bf16":
-        options["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
+        options["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, cast_at_gather=not args.keep_param_shard)
     if args.precision == "pure-bf16":
         options["dtype"] = torch.bfloat16
     for name in ("checkpoint", "partition_activations", "offload_activations"):
