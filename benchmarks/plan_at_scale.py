@@ -1,7 +1,7 @@
 """``zerofx.plan`` at the paper's scales, against the paper's figures (ZeRO, Rajbhandari et al. 2020), on one CPU.
 
     python benchmarks/plan_at_scale.py [paper_table] [max_model] [max_model_stage_3] [max_model_with_activations]
-        [one_trillion] [activations] [tensor_parallel] [time_and_memory]
+        [one_trillion] [one_trillion_kept_shard] [activations] [tensor_parallel] [time_and_memory]
 
 Every figure is a plan: the model is built on the meta device and its whole training step (AdamW; bf16 mixed
 precision unless said) traced and passed through the stage's passes for rank 0 of the world shown. Sizes in GB of
@@ -72,7 +72,8 @@ def max_model(only_stage_3: bool = False) -> None:
         started = time.perf_counter()
         depth = deepest(shape, states, 32 * 10**9, confirm=stage < 3)  # stage 3's 600 blocks: the line alone
         psi = num_params(shape.with_depth(depth))
-        rows.append([f"{stage}" + (", bf16 shard kept" if options is KEPT_SHARD else ""), depth, f"{psi / 1e9:.1f}B", f"{paper / 1e9:g}B", f"{psi / paper - 1:+.1%}",
+        name = f"{stage}" + (", bf16 shard kept" if options is KEPT_SHARD else "")
+        rows.append([name, depth, f"{psi / 1e9:.1f}B", f"{paper / 1e9:g}B", f"{psi / paper - 1:+.1%}",
                      "yes" if stage < 3 else "no", f"{time.perf_counter() - started:.0f}"])
     print(f"\n## Largest model whose model states fit 32 GB, N_d = 64 (d_model {shape.d_model}, depth searched)")
     print(tabulate(rows, headers=["stage", "layers", "Ψ", "paper", "plan/paper", "confirmed by a plan of it",
@@ -99,14 +100,20 @@ def max_model_with_activations() -> None:
     print(tabulate(rows, headers=["stage", "layers", "Ψ"], disable_numparse=True))
 
 
-def one_trillion() -> None:
+def one_trillion(options: dict = MIXED) -> None:
     shape = gpt_of_size("1T")
     started = time.perf_counter()
-    stats = plan_decoder(shape, world_size=1024, stage=3, **MIXED)
+    stats = plan_decoder(shape, world_size=1024, stage=3, **options)
     psi = num_params(shape)
-    print(f"\n## 1T ({shape.n_layer} layers, d_model {shape.d_model}, Ψ = {psi / 1e12:.3f}T), N_d = 1024, stage 3: "
+    kept = ", bf16 shard kept" if options is KEPT_SHARD else ""
+    print(f"\n## 1T ({shape.n_layer} layers, d_model {shape.d_model}, Ψ = {psi / 1e12:.3f}T), N_d = 1024, "
+          f"stage 3{kept}: "
           f"model states {stats.model_state_bytes['total'] / GB:.2f} GB per rank (paper: "
           f"{PAPER['model states, 1T, N_d=1024, stage 3 (GB)']} GB); planned in {time.perf_counter() - started:.0f} s")
+
+
+def one_trillion_kept_shard() -> None:
+    one_trillion(KEPT_SHARD)
 
 
 def activations() -> None:
@@ -179,7 +186,8 @@ def time_and_memory() -> None:
     print(tabulate(rows, headers=["command", "seconds", "peak RSS (GiB)"], disable_numparse=True))
 
 
-SECTIONS = {f.__name__: f for f in (paper_table, max_model, max_model_stage_3, max_model_with_activations, one_trillion, activations,
+SECTIONS = {f.__name__: f for f in (paper_table, max_model, max_model_stage_3, max_model_with_activations, one_trillion,
+                                    one_trillion_kept_shard, activations,
                                     tensor_parallel, time_and_memory)}
 
 if __name__ == "__main__":

@@ -160,7 +160,8 @@ def bf16_shard_kept_or_cast_at_gather(rank, world_size, steps=4):
         model, opt = gpt_and_adamw()
         step = zerofx.compile(train_step, stage=3, mixed_precision=zerofx.MixedPrecision(
             torch.bfloat16, cast_at_gather=cast_at_gather))
-        runs[cast_at_gather] = (model, opt, step, [step(model, opt, *token_batch(i, rank)).item() for i in range(steps)])
+        losses = [step(model, opt, *token_batch(i, rank)).item() for i in range(steps)]
+        runs[cast_at_gather] = (model, opt, step, losses)
     (_, _, cast, cast_losses), (model, opt, kept, kept_losses) = runs[True], runs[False]
     assert kept_losses == cast_losses
     full = zerofx.full_state_dict(cast)

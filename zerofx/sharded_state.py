@@ -2,8 +2,8 @@
 
 On its first call (or `bind`) the step takes the module's parameters and the optimizer's state, keeps what the stage
 stores (stages 1-2: every full parameter, padded; stage 3: this rank's shard, none in ``param_dtype`` under mixed
-precision unless ``cast_at_gather=False``, as the gathers cast the masters; stages 1-3: this rank's shard of each optimizer state tensor and,
-under mixed precision, of each fp32 master weight), and releases the originals: their
+precision unless ``cast_at_gather=False``, as the gathers cast the masters; stages 1-3: this rank's shard of each
+optimizer state tensor and, under mixed precision, of each fp32 master weight), and releases the originals: their
 memory is freed and reading them gives an empty tensor. At stage 0 it owns only the low-precision compute copies of
 mixed precision; the module's fp32 parameters are the master weights. `zerofx.state_dict(step)` shows this state in
 place, `zerofx.full_state_dict(step)` gathers it.

@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> str:
 def _options(args) -> dict:
     options = {"tp": args.tp, "batch": args.batch, "seq": args.seq}
     if args.precision == "bf16":
-        options["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, cast_at_gather=not args.keep_param_shard)
+        options["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16,
+                                                    cast_at_gather=not args.keep_param_shard)
     if args.precision == "pure-bf16":
         options["dtype"] = torch.bfloat16
     for name in ("checkpoint", "partition_activations", "offload_activations"):
