@@ -57,7 +57,14 @@ def beside_ddp_and_whole_step(rank, world_size, stage, dump_dir, steps=10):
     ours, theirs = prepared.stats(), step.stats()
     return {"ddp_mismatch": mismatch, "backend": _records(ours.collectives),
             "whole_step": _records(theirs.collectives), "volumes": (ours.comm_volume, theirs.comm_volume),
+            "model_states": (ours.model_state_bytes, theirs.model_state_bytes),
+            "formulas": (_formula_bytes(ours), _formula_bytes(theirs)),
             "saved_gathered": _gathered_outputs(prepared.graphs["region0.forward"])}
+
+
+def _formula_bytes(stats) -> float:
+    """The paper's model states for the stats' stage, at its Ψ and world size."""
+    return stats.formula.evaluate(stats.formula.model_states, stats.num_params, stats.world_size)
 
 
 def _records(records):
@@ -237,6 +244,8 @@ def bf16_against_whole_step(rank, world_size, runs, steps=4):
             "different_state": _different(_flat_state(ours["optimizer"]), _flat_state(theirs["optimizer"])),
             "collectives": (_records(backend_stats.collectives), _records(step_stats.collectives)),
             "volumes": (backend_stats.comm_volume, step_stats.comm_volume),
+            "model_states": (backend_stats.model_state_bytes, step_stats.model_state_bytes),
+            "formulas": (_formula_bytes(backend_stats), _formula_bytes(step_stats)),
         }
     return results
 

@@ -41,6 +41,15 @@ def test_backend_issues_the_whole_step_paths_collectives_and_dumps_its_graphs(be
     assert f"collectives: {collectives} " in (backward / f"{last_pass}.py").read_text()
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_backend_stats_count_the_model_states_a_whole_step_counts(beside_ddp, stage):
+    """Parameters, master weights and optimizer state kept between steps, by class, equal to a whole step's at the
+    same stage; gradients live inside a step and are not measured here; the same formula."""
+    ours, theirs = beside_ddp[stage]["model_states"]
+    assert ours == theirs and ours["grads"] is None and ours["params"] > 0 and ours["optimizer_states"] > 0
+    assert beside_ddp[stage]["formulas"][0] == beside_ddp[stage]["formulas"][1] > 0
+
+
 def test_stage_3_forward_saves_no_gathered_parameter_for_backward(beside_ddp):
     assert beside_ddp[3]["saved_gathered"] == 0
 
@@ -108,6 +117,9 @@ def test_bf16_through_the_backend_is_bitwise_the_whole_step_paths(bf16_beside_wh
     sent = {dtype for _, _, dtype, _ in backend}
     assert sent == ({torch.bfloat16} if reduce_dtype is None else {torch.bfloat16, torch.float32})
     assert result["volumes"][0] == result["volumes"][1] > 0
+    ours, theirs = result["model_states"]
+    assert ours == theirs and ours["master_params"] > 0, (ours, theirs)
+    assert result["formulas"][0] == result["formulas"][1] > 0
 
 
 @pytest.mark.parametrize("backend_stage, whole_step_stage", [(0, 2), (3, 1)])

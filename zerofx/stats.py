@@ -93,10 +93,16 @@ def _k_optimizer(binding, args, owned) -> float:
     return int(k) if k == int(k) else k
 
 
-def measure(config, compiled, binding, args, owned, records, probe, traces: int) -> StepStats:
-    num_params = sum(layout.numel for layout in owned.layouts.values()) if owned else \
+def num_params(binding, owned) -> int:
+    """Ψ: the elements of the distinct trainable parameters."""
+    return sum(layout.numel for layout in owned.layouts.values()) if owned else \
         sum(p.numel() for p in binding.params.values() if p.requires_grad)
-    mixed = config.mixed_precision
+
+
+def model_state_bytes(binding, args, owned, mixed, grads: int | None) -> dict[str, int | None]:
+    """Bytes by class of what is kept between steps: the owned shards (``owned``, from stage 1 on or under mixed
+    precision), else the module's parameters and the optimizer's state; ``grads`` as measured (None: not measured,
+    and then no total)."""
     module_params = [p for p in binding.params.values() if p.requires_grad]
     module_state = [v for opt in binding.optimizers(args) for s in opt.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor)]
@@ -106,20 +112,30 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
     else:
         masters = 0
     optimizer = storage_bytes(owned.opt_state.values()) if owned and owned.stage >= 1 else storage_bytes(module_state)
-    grads = probe.grad_bytes if probe else None
     state = {"params": params, "grads": grads, "master_params": masters, "optimizer_states": optimizer}
     state["total"] = None if grads is None else params + grads + masters + optimizer
+    return state
+
+
+def step_formula(config, binding, args, owned, micro: int = 1) -> formulas.Formula:
+    """The paper's formula for ``config``'s stage, with the step's element sizes and optimizer."""
+    mixed = config.mixed_precision
     element = next(iter(binding.params.values())).dtype.itemsize
+    return formulas.formula(config.stage,
+                            b_param=mixed.param_dtype.itemsize if mixed else element,
+                            b_grad=mixed.grad_dtype.itemsize if mixed else element,
+                            k_optimizer=_k_optimizer(binding, args, owned) + (4 if mixed else 0),
+                            reshard_after_forward=config.reshard_after_forward,
+                            micro_batches=micro, casts_masters=mixed is not None and mixed.cast_at_gather)
+
+
+def measure(config, compiled, binding, args, owned, records, probe, traces: int) -> StepStats:
+    state = model_state_bytes(binding, args, owned, config.mixed_precision, probe.grad_bytes if probe else None)
     micro = StepGraph(compiled.gm).num_microbatches()
-    formula = formulas.formula(config.stage,
-                               b_param=mixed.param_dtype.itemsize if mixed else element,
-                               b_grad=mixed.grad_dtype.itemsize if mixed else element,
-                               k_optimizer=_k_optimizer(binding, args, owned) + (4 if mixed else 0),
-                               reshard_after_forward=config.reshard_after_forward,
-                               micro_batches=micro, casts_masters=mixed is not None and mixed.cast_at_gather)
+    formula = step_formula(config, binding, args, owned, micro)
     recomputed = compiled.ctx.artifacts.get("recomputed", {}).values()
     memory = compiled.memory_plan()
-    return StepStats(config.stage, compiled.ctx.world_size, num_params, list(records),
+    return StepStats(config.stage, compiled.ctx.world_size, num_params(binding, owned), list(records),
                      ring_volume([r for r in records if r.purpose == "data"]), state,
                      probe.peak_bytes if probe else None, formula, traces,
                      _comm_vs_formula(compiled.ctx, owned, formula, micro), _describe_units(compiled.ctx),

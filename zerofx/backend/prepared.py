@@ -25,7 +25,7 @@ from zerofx.collectives import CollectiveRecord
 from zerofx.mesh import DTensorSpecs, mesh_ranks
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
-from zerofx.stats import StepStats, ring_volume
+from zerofx.stats import StepStats, model_state_bytes, num_params, ring_volume, step_formula
 from zerofx.step_graph import Role, Slot
 from zerofx.units import unit_of_params
 
@@ -121,11 +121,15 @@ class Prepared:
         self._accumulated, self._reduced = set(), set()
 
     def stats(self) -> StepStats:
-        """The last step's collectives (forward, backward and ``optimizer.step()``) and communication volume."""
-        num_params = sum(p.numel() for p in self._binding.params.values() if p.requires_grad)
+        """The last step's collectives (forward, backward and ``optimizer.step()``) and communication volume; the
+        model-state bytes kept between steps by class, as a whole step counts them (gradients, which live inside a
+        step, are not measured here: ``grads`` and ``total`` are None), and the paper's formula."""
+        binding, owned = self._binding, self._owned
         records = list(self.last_records)
-        return StepStats(self.config.stage, self.ranks.size, num_params, records,
-                         ring_volume([r for r in records if r.purpose == "data"]))
+        return StepStats(self.config.stage, self.ranks.size, num_params(binding, owned), records,
+                         ring_volume([r for r in records if r.purpose == "data"]),
+                         model_state_bytes(binding, self._args, owned, self.config.mixed_precision, grads=None),
+                         formula=step_formula(self.config, binding, self._args, owned))
 
     def graph_breaks(self, *args, **kwargs) -> list[str]:
         """Where torch.compile splits the model's forward on these inputs, each break as ``torch._dynamo.explain``
