@@ -37,6 +37,10 @@ PAPER = {  # the paper's text, sections 1, 3, 5.1-5.4 and 6
 }
 
 
+def _kept(options: dict) -> str:
+    return ", bf16 shard kept" if options is KEPT_SHARD else ""
+
+
 def paper_table() -> None:
     """Stages 0-3 of the paper's 7.5B model on 64 ranks: model states per rank."""
     shape = gpt_of_size("7.5B")
@@ -46,8 +50,8 @@ def paper_table() -> None:
     for stage, paper, options in [*((s, p, MIXED) for s, p in enumerate(papers)), (3, papers[3], KEPT_SHARD)]:
         stats = plan_decoder(shape, world_size=64, stage=stage, **options)
         states = stats.model_state_bytes
-        name = f"{stage}" + (", bf16 shard kept" if options is KEPT_SHARD else "")
-        rows.append([name, f"{states['total'] / GB:.2f}", paper, f"{states['total'] / GB / paper - 1:+.1%}",
+        rows.append([f"{stage}{_kept(options)}", f"{states['total'] / GB:.2f}", paper,
+                     f"{states['total'] / GB / paper - 1:+.1%}",
                      f"{stats.formula.evaluate(stats.formula.model_states, psi, 64) / GB:.2f}",
                      *(f"{states[c] / GB:.3f}" for c in ("params", "grads", "master_params", "optimizer_states"))])
     print(f"\n## Model states per rank: {shape.name} GPT ({shape.n_layer} layers, d_model {shape.d_model}), "
@@ -72,8 +76,8 @@ def max_model(only_stage_3: bool = False) -> None:
         started = time.perf_counter()
         depth = deepest(shape, states, 32 * 10**9, confirm=stage < 3)  # stage 3's 600 blocks: the line alone
         psi = num_params(shape.with_depth(depth))
-        name = f"{stage}" + (", bf16 shard kept" if options is KEPT_SHARD else "")
-        rows.append([name, depth, f"{psi / 1e9:.1f}B", f"{paper / 1e9:g}B", f"{psi / paper - 1:+.1%}",
+        rows.append([f"{stage}{_kept(options)}", depth, f"{psi / 1e9:.1f}B", f"{paper / 1e9:g}B",
+                     f"{psi / paper - 1:+.1%}",
                      "yes" if stage < 3 else "no", f"{time.perf_counter() - started:.0f}"])
     print(f"\n## Largest model whose model states fit 32 GB, N_d = 64 (d_model {shape.d_model}, depth searched)")
     print(tabulate(rows, headers=["stage", "layers", "Ψ", "paper", "plan/paper", "confirmed by a plan of it",
@@ -81,7 +85,7 @@ def max_model(only_stage_3: bool = False) -> None:
 
 
 def max_model_stage_3() -> None:
-    """`max_model`'s stage-3 rows alone: a line through plans at 2 and 4 blocks, a minute each."""
+    """`max_model`'s stage-3 rows alone: a line through plans at 2 and 4 blocks (seconds each)."""
     max_model(only_stage_3=True)
 
 
@@ -105,9 +109,8 @@ def one_trillion(options: dict = MIXED) -> None:
     started = time.perf_counter()
     stats = plan_decoder(shape, world_size=1024, stage=3, **options)
     psi = num_params(shape)
-    kept = ", bf16 shard kept" if options is KEPT_SHARD else ""
     print(f"\n## 1T ({shape.n_layer} layers, d_model {shape.d_model}, Ψ = {psi / 1e12:.3f}T), N_d = 1024, "
-          f"stage 3{kept}: "
+          f"stage 3{_kept(options)}: "
           f"model states {stats.model_state_bytes['total'] / GB:.2f} GB per rank (paper: "
           f"{PAPER['model states, 1T, N_d=1024, stage 3 (GB)']} GB); planned in {time.perf_counter() - started:.0f} s")
 

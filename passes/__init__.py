@@ -14,7 +14,7 @@ guarantees. Contents, in pipeline order:
 - ``shard_optimizer_state``: stages 1-3, the optimizer updates this rank's shards (P_os).
 - ``gather_params``: stage 3, gather parameter units before forward and backward read them (P_p), with prefetch.
 - ``cast_params_at_gather``: stage 3 under mixed precision, gather casts of the fp32 master shards; no low-precision
-  shard is kept.
+  shard is kept (left out of the pipeline with ``MixedPrecision(cast_at_gather=False)``).
 - ``reduce_scatter_grads``: stages 1-3, gradient shards by bucketed reduce-scatter (after backward at stage 1,
   as buckets become ready at stages 2-3: P_g).
 - ``global_grad_norm``: stages 1-3, a gradient norm over shards (clip_grad_norm_) made global by one scalar

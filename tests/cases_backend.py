@@ -58,7 +58,7 @@ def beside_ddp_and_whole_step(rank, world_size, stage, dump_dir, steps=10):
     return {"ddp_mismatch": mismatch, "backend": _records(ours.collectives),
             "whole_step": _records(theirs.collectives), "volumes": (ours.comm_volume, theirs.comm_volume),
             "model_states": (ours.model_state_bytes, theirs.model_state_bytes),
-            "formulas": (_formula_bytes(ours), _formula_bytes(theirs)),
+            "formula": _formula_bytes(ours), "num_params": ours.num_params,
             "saved_gathered": _gathered_outputs(prepared.graphs["region0.forward"])}
 
 
@@ -245,7 +245,7 @@ def bf16_against_whole_step(rank, world_size, runs, steps=4):
             "collectives": (_records(backend_stats.collectives), _records(step_stats.collectives)),
             "volumes": (backend_stats.comm_volume, step_stats.comm_volume),
             "model_states": (backend_stats.model_state_bytes, step_stats.model_state_bytes),
-            "formulas": (_formula_bytes(backend_stats), _formula_bytes(step_stats)),
+            "formula": _formula_bytes(backend_stats), "psi": backend_stats.num_params,
         }
     return results
 

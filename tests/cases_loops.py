@@ -158,7 +158,7 @@ def _clipped(model, optimizer, x, y):
     return loss, norm
 
 
-def fp16_clip_against_grad_scaler(rank, world_size, stage, steps=5, bucket_bytes=8 * 1024):
+def fp16_clip_against_grad_scaler(rank, world_size, stage, steps=5, bucket_bytes=8 * 1024, cast_at_gather=True):
     """FSDP2 in float16 with GradScaler, ``unscale_`` then ``clip_grad_norm_``: the norm zerofx's step returns is the
     unscaled one, and the parameters after 5 steps agree within float16 rounding. Both start from a scale of 2^10,
     at which no step overflows, so every step's norm is compared."""
@@ -167,7 +167,8 @@ def fp16_clip_against_grad_scaler(rank, world_size, stage, steps=5, bucket_bytes
     model, opt = gpt_and_adamw()
     scaling = zerofx.LossScaling(init_scale=2.0**10)
     step = zerofx.compile(_clipped, stage=stage, bucket_bytes=bucket_bytes,
-                          mixed_precision=zerofx.MixedPrecision(torch.float16, loss_scaling=scaling))
+                          mixed_precision=zerofx.MixedPrecision(torch.float16, loss_scaling=scaling,
+                                                                cast_at_gather=cast_at_gather))
     norms, ref_norms = [], []
     for i in range(steps):
         x, y = token_batch(i, rank)

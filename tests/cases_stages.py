@@ -153,8 +153,8 @@ def load_full_state_then_train(rank, world_size, stage):
 
 def bf16_shard_kept_or_cast_at_gather(rank, world_size, steps=4):
     """Stage 3 in bf16 with a bf16 shard kept (``cast_at_gather=False``) against casting the masters at each gather:
-    the same rounding, so the same losses and masters bitwise; a full state saved from one loads into the other, whose
-    bf16 shards are then refreshed from the loaded masters, and the two go on alike."""
+    the same rounding, so the same losses and masters bitwise; a state saved from one (sharded, and full) loads into
+    the other, whose bf16 shards are then refreshed from the loaded masters, and the runs go on alike."""
     runs = {}
     for cast_at_gather in (True, False):
         model, opt = gpt_and_adamw()
@@ -167,16 +167,21 @@ def bf16_shard_kept_or_cast_at_gather(rank, world_size, steps=4):
     full = zerofx.full_state_dict(cast)
     for name, value in zerofx.full_state_dict(kept)["model"].items():
         assert torch.equal(value, full["model"][name]), name
-    fresh_model, fresh_opt = gpt_and_adamw()
-    resumed = zerofx.compile(train_step, stage=3, mixed_precision=zerofx.MixedPrecision(torch.bfloat16,
-                                                                                        cast_at_gather=False))
-    resumed.bind(fresh_model, fresh_opt, *token_batch(0, rank))
-    zerofx.load_state_dict(resumed, zerofx.state_dict(cast))
-    later = [(resumed(fresh_model, fresh_opt, *token_batch(i, rank)).item(),
-              cast(runs[True][0], runs[True][1], *token_batch(i, rank)).item()) for i in range(steps, steps + 2)]
-    assert all(a == b for a, b in later), later
+    resumed = []
+    for saved in (zerofx.state_dict(cast), full):
+        fresh_model, fresh_opt = gpt_and_adamw()
+        step = zerofx.compile(train_step, stage=3, mixed_precision=zerofx.MixedPrecision(torch.bfloat16,
+                                                                                         cast_at_gather=False))
+        step.bind(fresh_model, fresh_opt, *token_batch(0, rank))
+        zerofx.load_state_dict(step, saved)
+        resumed.append((step, fresh_model, fresh_opt))
+    for i in range(steps, steps + 2):
+        x, y = token_batch(i, rank)
+        losses = {s(m, o, x, y).item() for s, m, o in [*resumed, (cast, runs[True][0], runs[True][1])]}
+        assert len(losses) == 1, (i, losses)
     return {"kept_param_bytes": kept.stats().model_state_bytes["params"],
-            "cast_param_bytes": cast.stats().model_state_bytes["params"]}
+            "cast_param_bytes": cast.stats().model_state_bytes["params"],
+            "padded_params": sum(layout.padded_numel for layout in kept._owned.layouts.values())}
 
 
 def bf16_against_fsdp2(rank, world_size, stage, steps=10, reduce_fp32=False, bucket_bytes=8 * 1024):
@@ -215,19 +220,23 @@ def _scaled_loss_step(model, optimizer, x, y, factor):
     return loss
 
 
-def fp16_overflow_is_skipped(rank, world_size, stage):
-    """Rank 1's loss is multiplied by 1e8 in step 3: fp16 gradients overflow; both ranks skip that step."""
+def fp16_overflow_is_skipped(rank, world_size, stage, cast_at_gather=True):
+    """Rank 1's loss is multiplied by 1e8 in step 3: fp16 gradients overflow; both ranks skip that step (the fp16
+    shards kept with ``cast_at_gather=False`` too)."""
     model, opt = gpt_and_adamw()
     step = zerofx.compile(_scaled_loss_step, stage=stage, bucket_bytes=8 * 1024,
-                          mixed_precision=zerofx.MixedPrecision(param_dtype=torch.float16))
+                          mixed_precision=zerofx.MixedPrecision(param_dtype=torch.float16,
+                                                                cast_at_gather=cast_at_gather))
     one = torch.ones(())
     for i in range(3):
         step(model, opt, *token_batch(i, rank), one)
     before, scale_before = zerofx.full_state_dict(step), step.loss_scale
+    compute_before = {fqn: t.clone() for fqn, t in step._owned.params.items()}
     overflow = torch.tensor(1e8 if rank == 1 else 1.0)
     step(model, opt, *token_batch(3, rank), overflow)
     after, scale_after = zerofx.full_state_dict(step), step.loss_scale
-    unchanged = all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
+    unchanged = all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"]) and \
+        all(torch.equal(t, step._owned.params[fqn]) for fqn, t in compute_before.items())
     state_unchanged = all(torch.equal(before["optimizer"]["state"][f][k], after["optimizer"]["state"][f][k])
                           for f in before["optimizer"]["state"] for k in before["optimizer"]["state"][f])
     step(model, opt, *token_batch(4, rank), one)

@@ -47,7 +47,9 @@ def test_backend_stats_count_the_model_states_a_whole_step_counts(beside_ddp, st
     same stage; gradients live inside a step and are not measured here; the same formula."""
     ours, theirs = beside_ddp[stage]["model_states"]
     assert ours == theirs and ours["grads"] is None and ours["params"] > 0 and ours["optimizer_states"] > 0
-    assert beside_ddp[stage]["formulas"][0] == beside_ddp[stage]["formulas"][1] > 0
+    psi, n = beside_ddp[stage]["num_params"], 2  # fp32 AdamW: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N
+    assert beside_ddp[stage]["formula"] == pytest.approx({0: 16 * psi, 1: 8 * psi + 8 * psi / n,
+                                                          2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage])
 
 
 def test_stage_3_forward_saves_no_gathered_parameter_for_backward(beside_ddp):
@@ -119,7 +121,11 @@ def test_bf16_through_the_backend_is_bitwise_the_whole_step_paths(bf16_beside_wh
     assert result["volumes"][0] == result["volumes"][1] > 0
     ours, theirs = result["model_states"]
     assert ours == theirs and ours["master_params"] > 0, (ours, theirs)
-    assert result["formulas"][0] == result["formulas"][1] > 0
+    psi, n = result["psi"], 2  # bf16 AdamW, fp32 masters: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 14Ψ/N (no bf16 shard)
+    b_g = 2 if reduce_dtype is None else 4
+    expected = {0: (2 + b_g + 12) * psi, 1: (2 + b_g) * psi + 12 * psi / n, 2: 2 * psi + (b_g + 12) * psi / n,
+                3: (b_g + 12) * psi / n}[stage]
+    assert result["formula"] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("backend_stage, whole_step_stage", [(0, 2), (3, 1)])
@@ -142,6 +148,9 @@ def test_prepare_refuses_what_the_backend_does_not_run_yet():
     for options, named in (({"mesh": object()}, "mesh="), ({"mixed_precision": fp16}, "loss_scaling")):
         with pytest.raises(NotImplementedError, match=named):
             cases.zerofx.prepare(model, opt, **options)
+    kept = cases.zerofx.MixedPrecision(cast_at_gather=False)  # stage 3 alone keeps shards: refused there only
+    with pytest.raises(NotImplementedError, match="cast_at_gather=False"):
+        cases.zerofx.prepare(model, opt, stage=3, mixed_precision=kept)
     with pytest.raises(TypeError, match="mixed_precision must be a zerofx.MixedPrecision"):
         cases.zerofx.prepare(model, opt, mixed_precision=object())
     model.ln_f.weight.requires_grad_(False)

@@ -120,3 +120,14 @@ def test_gradients_the_step_will_not_read_are_not_held_through_it():
     model.zero_grad()
     cleared = _peak_bytes(model, opt, step, *token_batch(2, 0))
     assert left == cleared
+
+
+def test_a_frozen_parameters_gradient_is_the_users_and_stays():
+    """A frozen parameter's ``.grad`` (set by the user, read by nothing in the step) stays, as eager leaves it."""
+    model, opt = gpt_and_adamw()
+    model.ln_f.weight.requires_grad_(False)
+    mine = model.ln_f.weight.grad = torch.ones_like(model.ln_f.weight)
+    step = zerofx.compile(train_step)
+    for i in range(2):
+        step(model, opt, *token_batch(i, 0))
+    assert model.ln_f.weight.grad is mine

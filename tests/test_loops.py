@@ -28,10 +28,11 @@ def test_short_batch_eval_step_and_weight_decay_change_retrace_once_each(ranks2,
     assert len(reasons) == 3 and "batch" in reasons[0] and "training" in reasons[1] and "weight_decay" in reasons[2]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_fp16_clipping_reads_unscaled_gradients_as_grad_scaler_unscale(ranks2, stage):
-    """Stage 3 at its default units (one block each), the others with small buckets."""
-    result = ranks2.run(cases.fp16_clip_against_grad_scaler, stage=stage,
+@pytest.mark.parametrize("stage, cast_at_gather", [(0, True), (1, True), (2, True), (3, True), (3, False)])
+def test_fp16_clipping_reads_unscaled_gradients_as_grad_scaler_unscale(ranks2, stage, cast_at_gather):
+    """Stage 3 at its default units (one block each), the others with small buckets; stage 3 also with its fp16
+    shards kept."""
+    result = ranks2.run(cases.fp16_clip_against_grad_scaler, stage=stage, cast_at_gather=cast_at_gather,
                         bucket_bytes=None if stage == 3 else 8 * 1024)[0]
     assert all(0.1 < n < 100 for n in result["norms"])  # a scaled norm would be 1024 times larger
     assert result["scale"] == result["ref_scale"] == 2.0**10  # no overflow, no growth within 2000 steps

@@ -127,6 +127,8 @@ def test_bad_input_names_the_argument(tmp_path):
         model_shape(str(tmp_path / "missing"))  # a directory: read at once, no Hugging Face hub to ask
     with pytest.raises(ValueError, match="seq"):
         plan_decoder(KNOWN["gpt2"], world_size=2, stage=0, seq=4096)
+    with pytest.raises(SystemExit, match="--keep-param-shard .* --precision fp32"):
+        main(["plan", "--model", "gpt2", "--world", "8", "--precision", "fp32", "--keep-param-shard"])
 
 
 @pytest.mark.parametrize("keep_param_shard", [False, True])
@@ -140,6 +142,7 @@ def test_command_line_prints_the_stages_of_a_hugging_face_model(tmp_path, capsys
     main(["plan", "--model", str(tmp_path), "--world", "8", "--stage", "3", "--batch", "2", "--device-memory", "1GB",
           *(["--keep-param-shard"] if keep_param_shard else [])])
     lines = capsys.readouterr().out.splitlines()
+    assert ("bf16 shard kept" in lines[0]) == keep_param_shard, lines[0]
     row = lines[-1].split()
     want = (16 if keep_param_shard else 14) * num_params(model_shape(str(tmp_path))) / 8
     assert row[0] == "3" and row[-1] == "yes", lines

@@ -85,7 +85,8 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
 
     Usable as ``step = zerofx.compile(train_step, stage=3)`` or as a decorator ``@zerofx.compile(stage=3)``.
     ``mixed_precision=zerofx.MixedPrecision(param_dtype=torch.bfloat16)`` computes and communicates in bf16 with
-    fp32 master weights. ``dump_dir`` (or the environment variable ``ZEROFX_DUMP``) writes the graph after capture
+    fp32 master weights (stage 3 gathers casts of the master shards; ``cast_at_gather=False`` keeps bf16 shards
+    instead). ``dump_dir`` (or the environment variable ``ZEROFX_DUMP``) writes the graph after capture
     and after each pass; ``keep_graphs`` (implied by ``dump_dir``) keeps them for ``step.graph(name)``. At most
     ``max_traces`` graphs are kept (one per guard key, least recently used evicted).
     Stage 3 gathers parameters, and stages 2-3 reduce-scatter gradients, by the model's ``units`` (each repeated block

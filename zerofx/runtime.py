@@ -224,7 +224,7 @@ def _release_unread_grads(binding: StepBinding, read: frozenset[str]) -> None:
     the step replaces or clears every trainable parameter's ``.grad`` at its end anyway, and holding the last step's
     through this one would add them to its peak."""
     for fqn, p in binding.params.items():
-        if p.grad is not None and fqn not in read:
+        if p.requires_grad and p.grad is not None and fqn not in read:  # a frozen parameter's is the user's
             p.grad = None
 
 

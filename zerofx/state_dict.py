@@ -12,7 +12,8 @@ replicated one the live tensor itself (a parameter too small to give every rank 
 ``dcp.save`` writes them without gathering and ``dcp.load`` fills them where they live. ``full_state_dict(step)``
 gathers full copies. ``load_state_dict(step, sd)`` takes either, or DTensors such as FSDP2's; it checks every key
 and shape before it changes anything. Parameters are in their master precision (fp32 under mixed precision); the
-low-precision compute copies are derived from them on load.
+low-precision compute copies (stages 0-2, and stage 3's shards with ``cast_at_gather=False``) are derived from them
+on load, so masters written in place through ``state_dict(step)`` reach them only through ``load_state_dict``.
 """
 
 from __future__ import annotations

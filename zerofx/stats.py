@@ -93,7 +93,7 @@ def _k_optimizer(binding, args, owned) -> float:
     return int(k) if k == int(k) else k
 
 
-def num_params(binding, owned) -> int:
+def trainable_numel(binding, owned) -> int:
     """Ψ: the elements of the distinct trainable parameters."""
     return sum(layout.numel for layout in owned.layouts.values()) if owned else \
         sum(p.numel() for p in binding.params.values() if p.requires_grad)
@@ -135,7 +135,7 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
     formula = step_formula(config, binding, args, owned, micro)
     recomputed = compiled.ctx.artifacts.get("recomputed", {}).values()
     memory = compiled.memory_plan()
-    return StepStats(config.stage, compiled.ctx.world_size, num_params(binding, owned), list(records),
+    return StepStats(config.stage, compiled.ctx.world_size, trainable_numel(binding, owned), list(records),
                      ring_volume([r for r in records if r.purpose == "data"]), state,
                      probe.peak_bytes if probe else None, formula, traces,
                      _comm_vs_formula(compiled.ctx, owned, formula, micro), _describe_units(compiled.ctx),

@@ -25,7 +25,7 @@ from zerofx.collectives import CollectiveRecord
 from zerofx.mesh import DTensorSpecs, mesh_ranks
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
-from zerofx.stats import StepStats, model_state_bytes, num_params, ring_volume, step_formula
+from zerofx.stats import StepStats, model_state_bytes, ring_volume, step_formula, trainable_numel
 from zerofx.step_graph import Role, Slot
 from zerofx.units import unit_of_params
 
@@ -126,10 +126,10 @@ class Prepared:
         step, are not measured here: ``grads`` and ``total`` are None), and the paper's formula."""
         binding, owned = self._binding, self._owned
         records = list(self.last_records)
-        return StepStats(self.config.stage, self.ranks.size, num_params(binding, owned), records,
+        return StepStats(self.config.stage, self.ranks.size, trainable_numel(binding, owned), records,
                          ring_volume([r for r in records if r.purpose == "data"]),
                          model_state_bytes(binding, self._args, owned, self.config.mixed_precision, grads=None),
-                         formula=step_formula(self.config, binding, self._args, owned))
+                         formula=step_formula(self.config, binding, self._args, owned))  # one backward a step
 
     def graph_breaks(self, *args, **kwargs) -> list[str]:
         """Where torch.compile splits the model's forward on these inputs, each break as ``torch._dynamo.explain``
@@ -166,7 +166,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
     torch.bfloat16)`` runs forward and backward in ``param_dtype`` (the model's trainable parameters are cast to it)
     and reduces gradients in ``grad_dtype``, while the optimizer updates fp32 master weights in their place, as
     ``zerofx.compile`` does with the same option. Every rank calls it, once, before the model first runs."""
-    _check_mixed_precision(model, mixed_precision)
+    _check_mixed_precision(model, mixed_precision, stage)
     if mesh is not None:
         raise NotImplementedError("zerofx.prepare: mesh= is not supported by the backend path yet; use "
                                   "zerofx.compile for tensor parallelism")
@@ -182,7 +182,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
     return model, optimizer
 
 
-def _check_mixed_precision(model: nn.Module, mixed: MixedPrecision | None) -> None:
+def _check_mixed_precision(model: nn.Module, mixed: MixedPrecision | None, stage: int) -> None:
     if mixed is None:
         return
     if not isinstance(mixed, MixedPrecision):
@@ -192,7 +192,7 @@ def _check_mixed_precision(model: nn.Module, mixed: MixedPrecision | None) -> No
             f"zerofx.prepare: mixed_precision with loss scaling (param_dtype={mixed.param_dtype}, loss_scaling="
             f"{mixed.loss_scaling}) is not supported by the backend path yet; use param_dtype=torch.bfloat16, or "
             "zerofx.compile for float16 with loss scaling")
-    if not mixed.cast_at_gather:
+    if stage == 3 and not mixed.cast_at_gather:
         raise NotImplementedError(
             "zerofx.prepare: mixed_precision with cast_at_gather=False (a param_dtype shard kept at stage 3) is not "
             "supported by the backend path yet: its stage 3 gathers casts of the fp32 masters; use zerofx.compile")

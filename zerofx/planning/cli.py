@@ -61,6 +61,9 @@ def run(args: argparse.Namespace) -> str:
 
 
 def _options(args) -> dict:
+    if args.keep_param_shard and args.precision != "bf16":
+        raise SystemExit(f"--keep-param-shard keeps a bf16 copy of each shard of bf16 mixed precision; with "
+                         f"--precision {args.precision} there is none to keep")
     options = {"tp": args.tp, "batch": args.batch, "seq": args.seq}
     if args.precision == "bf16":
         options["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16,
@@ -122,7 +125,9 @@ def _title(shape: ModelShape, world: int, options: dict, with_size: bool = True)
     parts.append(f"batch {options['batch']} x {options['seq'] or shape.max_seq} tokens per dp rank")
     parts.append("bf16 mixed precision" if "mixed_precision" in options else
                  "bf16" if options.get("dtype") == torch.bfloat16 else "fp32")
-    extras = [name for name, flag in (("checkpointed blocks", options.get("checkpoint")),
+    mixed = options.get("mixed_precision")
+    extras = [name for name, flag in (("bf16 shard kept at stage 3", mixed is not None and not mixed.cast_at_gather),
+                                      ("checkpointed blocks", options.get("checkpoint")),
                                       ("P_a", options.get("partition_activations")),
                                       ("offloaded checkpoints", options.get("offload_activations"))) if flag]
     return ", ".join(parts + extras) + "; bytes per rank"
