@@ -149,13 +149,63 @@ class LoopBreakGPT(GPT):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def eager_parameters_refused(rank, world_size):
+class EagerScaleGPT(GPT):
+    """The test GPT whose loss is scaled by a parameter in code Dynamo leaves to eager (``torch._dynamo.disable``);
+    with ``reads_scale`` False (one rank's choice) the scale is not read."""
+
+    def __init__(self, cfg, reads_scale: bool = True):
+        super().__init__(cfg)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.reads_scale = reads_scale
+
+    def forward(self, idx, targets):
+        loss = super().forward(idx, targets)
+        return _scaled_eagerly(loss, self.scale) if self.reads_scale else loss
+
+
+@torch._dynamo.disable
+def _scaled_eagerly(loss, scale):
+    return loss * scale
+
+
+def eager_parameters_refused(rank, world_size, stage):
     torch.manual_seed(0)
-    model = LoopBreakGPT(TINY_GPT)
-    model, opt = _compiled(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=0)
+    model = EagerScaleGPT(TINY_GPT)
+    model, opt = _compiled(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=stage)
     try:
         train_step(model, opt, *token_batch(0, rank))
     except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _loop_break_gpt_and_adamw():
+    torch.manual_seed(0)
+    model = LoopBreakGPT(TINY_GPT)
+    return model, torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=3e-3)
+
+
+def eager_parameters_averaged_at_stage_0(rank, world_size, steps=6):
+    """The embeddings and the head run eagerly (a break Dynamo cannot resume from), the blocks compiled: at stage 0
+    their gradients are averaged before the update, and each loop style trains as DDP does; the last step's
+    collectives."""
+    for loop in LOOPS.values():
+        ref_model, ref_opt = _loop_break_gpt_and_adamw()
+        model, opt = _compiled(*_loop_break_gpt_and_adamw(), stage=0)
+        _train_beside_ddp(model, opt, ref_model, ref_opt, loop, rank, steps)
+        assert_matches_ddp(zerofx.prepared(model), ref_model, ref_opt)
+    eager = sum(p.numel() for name, p in ref_model.named_parameters() if not name.startswith("blocks."))
+    return {"records": _records(zerofx.prepared(model).stats().collectives), "eager_numel": eager}
+
+
+def eager_parameters_differing_across_ranks(rank, world_size):
+    """Rank 1's eager code reads a parameter rank 0's does not."""
+    torch.manual_seed(0)
+    model = EagerScaleGPT(TINY_GPT, reads_scale=rank == 1)
+    model, opt = _compiled(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=0)
+    try:
+        train_step(model, opt, *token_batch(0, rank))
+    except RankMismatchError as e:
         return str(e)
     return None
 

@@ -64,9 +64,23 @@ def test_graph_break_between_blocks_gives_ddps_losses_and_is_named(ranks2, stage
     assert len(result["breaks"]) == 1 and "graph_break" in result["breaks"][0]
 
 
-def test_parameters_read_outside_every_compiled_region_are_refused_before_the_update(ranks2):
-    message = ranks2.run(cases.eager_parameters_refused)[0]
-    assert "'wte.weight'" in message and "'ln_f.weight'" in message and "blocks" not in message.split("]")[0]
+def test_parameters_read_outside_every_compiled_region_are_refused_before_the_update_from_stage_1(ranks2):
+    message = ranks2.run(cases.eager_parameters_refused, stage=1)[0]
+    assert message.startswith("zerofx.backend: the gradients of ['scale'] were computed outside"), message
+
+
+def test_gradients_computed_eagerly_are_averaged_at_stage_0_as_ddp_does(ranks2):
+    """Embeddings and head eager, each block a compiled region: DDP's losses, parameters and optimizer state."""
+    result = ranks2.run(cases.eager_parameters_averaged_at_stage_0)[0]
+    data = [r for r in result["records"] if r[3] == "data"]
+    # each block's bucket from its compiled backward, then one bucket of the eager parameters' gradients
+    assert [kind for kind, *_ in data] == ["all_reduce"] * 3 and data[-1][1] == result["eager_numel"], data
+
+
+def test_ranks_whose_eager_code_reads_different_parameters_raise_before_averaging(ranks2):
+    messages = ranks2.run(cases.eager_parameters_differing_across_ranks)
+    assert messages[0] == messages[1] and "outside the compiled regions" in messages[0], messages
+    assert "scale" in messages[0]
 
 
 def test_ranks_compiling_different_graphs_raise_before_their_collectives_disagree(ranks2):

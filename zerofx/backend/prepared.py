@@ -17,7 +17,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from zerofx import optim_support, runtime
+from zerofx import collectives, guards, optim_support, ranks, runtime
 from zerofx.api import Config
 from zerofx.backend.shards import Shards
 from zerofx.binding import StepBinding
@@ -99,20 +99,40 @@ class Prepared:
 
     def _check_reduced(self) -> None:
         """Before the update: every gradient autograd produced came through a compiled backward, which communicated
-        it. A parameter read only outside the compiled regions (where Dynamo fell back to eager) would be updated
-        from this rank's gradient alone."""
-        # from stage 1 on (and under mixed precision) the optimizer updates shards (masters), and only compiled
-        # backwards hand gradients to them
-        missed = sorted(self._accumulated if self.shards is not None else self._accumulated - self._reduced)
-        if missed and self.ranks.size > 1:
-            where = "outside every compiled region, so no rank averaged them" if self.shards is None else \
-                "outside the compiled regions, where no rank averages them and the optimizer, which updates " \
-                "shards or master weights, never sees them"
+        it. A parameter read only outside the compiled regions (where Dynamo fell back to eager) has this rank's
+        gradient alone: at stage 0 the ranks agree on which parameters those are and average their gradients
+        here, as DDP would have; from stage 1 on (and under mixed precision) the update is refused, since the
+        optimizer updates shards (masters), and only compiled backwards hand gradients to them."""
+        if self.ranks.size == 1:
+            return
+        if self.shards is None:
+            self._average_eager_gradients(sorted(self._accumulated - self._reduced))
+            return
+        missed = sorted(self._accumulated)
+        if missed:
             raise RuntimeError(
-                f"zerofx.backend: the gradients of {missed} were computed {where}; the model's forward reads these "
-                "parameters where torch.compile ran eagerly (a graph break it could not resume from, such as one "
-                "inside a loop). Call zerofx.prepared(model).graph_breaks(*inputs) to see where, and move the break "
-                "out of the loop")
+                f"zerofx.backend: the gradients of {missed} were computed outside the compiled regions, where no "
+                "rank averages them and the optimizer, which updates shards or master weights, never sees them; the "
+                "model's forward reads these parameters where torch.compile ran eagerly (a graph break it could not "
+                "resume from, such as one inside a loop). Call zerofx.prepared(model).graph_breaks(*inputs) to see "
+                "where, and move the break out of the loop, or train at stage 0")
+
+    def _average_eager_gradients(self, eager: list[str]) -> None:
+        """Stage 0: average the gradients of ``eager`` (computed outside every compiled region) across the ranks,
+        in one flat bucket per dtype, after the ranks agree on the names (8 bytes), so that no rank waits alone."""
+        ranks.verify_same(guards.key_hash({"eager": tuple(eager)}), "the parameters whose gradients were computed outside the compiled regions",
+                          lambda: ", ".join(eager) or "none", self.ranks.group)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for fqn in eager:
+            grad = self._binding.params[fqn].grad
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        with collectives.recording() as records:
+            for grads in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                collectives.wait(collectives.all_reduce(flat, "avg", self.ranks.group_name, self.ranks.size))
+                torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in
+                                             zip(flat.split([g.numel() for g in grads]), grads)])
+        self._pending += records
 
     def _end_step(self) -> None:
         if self.shards is not None:
