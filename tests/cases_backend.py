@@ -127,10 +127,15 @@ def ranks_compiling_different_graphs(rank, world_size, stage):
     torch.manual_seed(0)
     model = BreakOnOneRankGPT(TINY_GPT)
     model.breaks = rank == 1
+    return _first_step_error(model, stage, rank, RankMismatchError)
+
+
+def _first_step_error(model, stage, rank, error) -> str | None:
+    """The message of the ``error`` the model's first step through the backend raises, or None."""
     model, opt = _compiled(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=stage)
     try:
         train_step(model, opt, *token_batch(0, rank))
-    except RankMismatchError as e:
+    except error as e:
         return str(e)
     return None
 
@@ -170,13 +175,7 @@ def _scaled_eagerly(loss, scale):
 
 def eager_parameters_refused(rank, world_size, stage):
     torch.manual_seed(0)
-    model = EagerScaleGPT(TINY_GPT)
-    model, opt = _compiled(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=stage)
-    try:
-        train_step(model, opt, *token_batch(0, rank))
-    except RuntimeError as e:
-        return str(e)
-    return None
+    return _first_step_error(EagerScaleGPT(TINY_GPT), stage, rank, RuntimeError)
 
 
 def _loop_break_gpt_and_adamw():
@@ -201,13 +200,7 @@ def eager_parameters_averaged_at_stage_0(rank, world_size, steps=6):
 def eager_parameters_differing_across_ranks(rank, world_size):
     """Rank 1's eager code reads a parameter rank 0's does not."""
     torch.manual_seed(0)
-    model = EagerScaleGPT(TINY_GPT, reads_scale=rank == 1)
-    model, opt = _compiled(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=0)
-    try:
-        train_step(model, opt, *token_batch(0, rank))
-    except RankMismatchError as e:
-        return str(e)
-    return None
+    return _first_step_error(EagerScaleGPT(TINY_GPT, reads_scale=rank == 1), 0, rank, RankMismatchError)
 
 
 def checkpoint_between_paths(rank, world_size, directory, backend_stage, whole_step_stage, steps=4):
