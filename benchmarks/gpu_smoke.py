@@ -1,9 +1,9 @@
 """GPU smoke check, for a machine with one CUDA device: the compiled step runs on the GPU and matches eager, at
 stage 0 as the loop is usually written and at stage 3 with zero_grad after the update and a short last batch;
-stage 3 in bf16 (casts of the masters gathered) trains and stays within bf16 rounding of eager; stage 3 with every
-block checkpointed and its checkpoints offloaded to pinned host memory matches eager too; stage 0 and stage 3 with
-``memory_plan`` (intermediates in one arena) match eager, and each line prints ``max_memory_reserved`` beside
-``max_memory_allocated``, planned and unplanned; the same eager loops around ``torch.compile(model,
+stage 3 in bf16 (casts of the masters gathered, or bf16 shards kept) trains and stays within bf16 rounding of
+eager; stage 3 with every block checkpointed and its checkpoints offloaded to pinned host memory matches eager too;
+stage 0 and stage 3 with ``memory_plan`` (intermediates in one arena) match eager, and each line prints
+``max_memory_reserved`` beside ``max_memory_allocated``, planned and unplanned; the same eager loops around ``torch.compile(model,
 backend=zerofx.backend(...))`` at stages 0 and 3 match eager.
 
     python benchmarks/gpu_smoke.py
@@ -98,6 +98,8 @@ def main() -> None:
               ("zerofx stage 3", zero_grad_last, {"stage": 3}, 1e-4),
               ("zerofx stage 3 bf16", zero_grad_last,
                {"stage": 3, "mixed_precision": zerofx.MixedPrecision(torch.bfloat16)}, 3e-2),
+              ("zerofx stage 3 bf16 kept", zero_grad_last,  # cast_at_gather=False
+               {"stage": 3, "mixed_precision": zerofx.MixedPrecision(torch.bfloat16, cast_at_gather=False)}, 3e-2),
               ("zerofx stage 3 offload", zero_grad_last,
                {"stage": 3, "checkpoint": "blocks", "offload_activations": True}, 1e-4),
               ("zerofx stage 0 memory_plan", train_step, {"stage": 0, "memory_plan": True}, 1e-4),
