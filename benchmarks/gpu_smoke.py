@@ -3,8 +3,8 @@ stage 0 as the loop is usually written and at stage 3 with zero_grad after the u
 stage 3 in bf16 (casts of the masters gathered, or bf16 shards kept) trains and stays within bf16 rounding of
 eager; stage 3 with every block checkpointed and its checkpoints offloaded to pinned host memory matches eager too;
 stage 0 and stage 3 with ``memory_plan`` (intermediates in one arena) match eager, and each line prints
-``max_memory_reserved`` beside ``max_memory_allocated``, planned and unplanned; the same eager loops around ``torch.compile(model,
-backend=zerofx.backend(...))`` at stages 0 and 3 match eager.
+``max_memory_reserved`` beside ``max_memory_allocated``, planned and unplanned; the same eager loops around
+``torch.compile(model, backend=zerofx.backend(...))`` at stages 0 and 3 match eager.
 
     python benchmarks/gpu_smoke.py
 
