@@ -242,13 +242,17 @@ def sync_module_states(binding: StepBinding, group: dist.ProcessGroup | None = N
     """As DDP does at construction: every rank of ``group`` starts from its first rank's parameters and buffers
     (of a tensor-parallel parameter, the local shard: the group is then one column of the mesh)."""
     tensors = [local(t.detach()) for t in [*binding.params.values(), *binding.buffers.values()]]
+    communicate_flat(tensors, lambda flat: collectives.broadcast_control(flat, src=0, group=group))
+
+
+def communicate_flat(tensors: list[torch.Tensor], communicate) -> None:
+    """``communicate(flat)`` on one flat buffer per dtype and device holding ``tensors``, which then hold its result
+    (in place: ``communicate`` completes before it returns)."""
     by_dtype: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        collectives.broadcast_control(flat, src=0, group=group)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        communicate(flat)
+        for t, piece in zip(same, flat.split([t.numel() for t in same])):
+            t.copy_(piece.view_as(t))

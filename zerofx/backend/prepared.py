@@ -120,18 +120,13 @@ class Prepared:
     def _average_eager_gradients(self, eager: list[str]) -> None:
         """Stage 0: average the gradients of ``eager`` (computed outside every compiled region) across the ranks,
         in one flat bucket per dtype, after the ranks agree on the names (8 bytes), so that no rank waits alone."""
-        ranks.verify_same(guards.key_hash({"eager": tuple(eager)}), "the parameters whose gradients were computed outside the compiled regions",
+        ranks.verify_same(guards.key_hash({"eager": tuple(eager)}),
+                          "the parameters whose gradients were computed outside the compiled regions",
                           lambda: ", ".join(eager) or "none", self.ranks.group)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for fqn in eager:
-            grad = self._binding.params[fqn].grad
-            by_dtype.setdefault(grad.dtype, []).append(grad)
+        group, size = self.ranks.group_name, self.ranks.size
         with collectives.recording() as records:
-            for grads in by_dtype.values():
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                collectives.wait(collectives.all_reduce(flat, "avg", self.ranks.group_name, self.ranks.size))
-                torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in
-                                             zip(flat.split([g.numel() for g in grads]), grads)])
+            runtime.communicate_flat([self._binding.params[fqn].grad for fqn in eager],
+                                     lambda flat: collectives.wait(collectives.all_reduce(flat, "avg", group, size)))
         self._pending += records
 
     def _end_step(self) -> None:
