@@ -168,9 +168,13 @@ class _Region:
         # from stage 1 on (and under mixed precision) gradients go to what the optimizer holds, not to autograd
         for i in self.params:
             fqn = self.slots[i].fqn
-            if fqn in self.owner.layouts and out[i] is not None:
+            if out[i] is None:
+                continue
+            if fqn in self.owner.layouts:
                 self.owner.shards.receive_grad(fqn, out[i])
                 out[i] = None
+            else:
+                self.owner.note_compiled_grad(out[i])
         return out
 
     def _agree_on_graph(self) -> None:

@@ -53,9 +53,14 @@ class Prepared:
         self.last_records: list[CollectiveRecord] = []
         self._accumulated: set[str] = set()  # parameters autograd accumulated a gradient into since the last step
         self._reduced: set[str] = set()  # parameters whose gradient a compiled backward communicated since then
-        for fqn, p in self._binding.params.items():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda p, fqn=fqn: self._note_accumulated(fqn, p))
+        # the model's trainable parameters (under mixed precision at stage 0 the binding names the masters instead)
+        self._module_params = {fqn: p for fqn, p in self._binding.params.items() if p.requires_grad}
+        self._gathered_for_eager: dict[str, nn.Parameter] = {}  # stage 3: filled for eager code until the update
+        self._compiled_grads: set[tuple[int, int]] = set()  # stage 0: (data_ptr, version) of each compiled gradient
+        self._summed_with_eager: set[str] = set()  # stage 0: a compiled gradient arrived summed with another part
+        for fqn, p in self._module_params.items():
+            p.register_hook(lambda grad, fqn=fqn: self._note_incoming(fqn, grad))
+            p.register_post_accumulate_grad_hook(lambda p, fqn=fqn: self._note_accumulated(fqn, p))
         optimizer.register_step_pre_hook(lambda *_: self._check_reduced())
         optimizer.register_step_post_hook(lambda *_: self._end_step())
 
@@ -66,6 +71,37 @@ class Prepared:
                              self.config.mixed_precision)
         self._owned = self.shards.state
         self._by_storage = self._storage_index()
+        if self.config.stage == 3:
+            self._gather_around_eager_calls()
+
+    def _gather_around_eager_calls(self) -> None:
+        """Stage 3: a module whose forward runs eagerly (outside every compiled region: a graph break Dynamo cannot
+        resume from, a disabled function) finds its own parameters gathered, as FSDP2's pre-forward hooks unshard
+        them; they stay full until the update (backward may read what autograd saved of them), or only through the
+        forward when it records no gradient. Inside a compiled region the hooks do nothing
+        (``torch.compiler.is_compiling()``): the graphs gather the shards themselves."""
+        for module in self.model.modules():
+            owned = [(self.fqn_of(p), p) for p in module.parameters(recurse=False)]
+            owned = [(fqn, p) for fqn, p in owned if fqn in self.layouts]
+            if owned:
+                module.register_forward_pre_hook(lambda _m, _a, owned=owned: self._gather_for_eager(owned))
+                module.register_forward_hook(lambda _m, _a, _o, owned=owned: self._release_after_no_grad(owned))
+
+    def _gather_for_eager(self, owned: list) -> None:
+        if torch.compiler.is_compiling():
+            return
+        with collectives.recording() as records:
+            for fqn, p in owned:
+                if self.shards.gather_for_eager(p, fqn):
+                    self._gathered_for_eager[fqn] = p
+        self._pending += records
+
+    def _release_after_no_grad(self, owned: list) -> None:
+        if torch.compiler.is_compiling() or torch.is_grad_enabled():
+            return
+        for fqn, p in owned:
+            if self._gathered_for_eager.pop(fqn, None) is not None:
+                self.shards.release(p, fqn)
 
     def _storage_index(self) -> dict[int, str]:
         """Where each parameter's memory is -> its name; stage 3's parameters hold none, and are known by identity."""
@@ -92,48 +128,65 @@ class Prepared:
         self._pending.extend(records)
         self._reduced |= reduced
 
+    def note_compiled_grad(self, grad: torch.Tensor) -> None:
+        """Stage 0: a compiled backward hands autograd ``grad``, averaged over ranks."""
+        self._compiled_grads.add((grad.data_ptr(), grad._version))
+
+    def _note_incoming(self, fqn: str, grad: torch.Tensor) -> None:
+        """Stage 0, as autograd is about to accumulate ``grad`` into parameter ``fqn``: a parameter a compiled region
+        read whose incoming gradient is not one a compiled backward handed over (autograd summed it with a part
+        computed eagerly, or with another region's) is averaged once more before the update. Averaging what is
+        averaged already changes nothing, so the eager part ends averaged and the rest as it was."""
+        if self.shards is not None or grad is None or fqn not in self._reduced:
+            return  # from stage 1 on autograd receives only eager parts (compiled backwards hand shards over)
+        if (grad.data_ptr(), grad._version) not in self._compiled_grads:
+            self._summed_with_eager.add(fqn)
+
     def _note_accumulated(self, fqn: str, p: nn.Parameter) -> None:
         # autograd calls the hook also where a compiled backward handed the gradient to a shard instead (None here)
         if p.grad is not None:
             self._accumulated.add(fqn)
 
     def _check_reduced(self) -> None:
-        """Before the update: every gradient autograd produced came through a compiled backward, which communicated
-        it. A parameter read only outside the compiled regions (where Dynamo fell back to eager) has this rank's
-        gradient alone: at stage 0 the ranks agree on which parameters those are and average their gradients
-        here, as DDP would have; from stage 1 on (and under mixed precision) the update is refused, since the
-        optimizer updates shards (masters), and only compiled backwards hand gradients to them."""
-        if self.ranks.size == 1:
-            return
-        if self.shards is None:
-            self._average_eager_gradients(sorted(self._accumulated - self._reduced))
-            return
-        missed = sorted(self._accumulated)
-        if missed:
-            raise RuntimeError(
-                f"zerofx.backend: the gradients of {missed} were computed outside the compiled regions, where no "
-                "rank averages them and the optimizer, which updates shards or master weights, never sees them; the "
-                "model's forward reads these parameters where torch.compile ran eagerly (a graph break it could not "
-                "resume from, such as one inside a loop). Call zerofx.prepared(model).graph_breaks(*inputs) to see "
-                "where, and move the break out of the loop, or train at stage 0")
+        """Before the update: gradients autograd accumulated outside every compiled backward (eager code read those
+        parameters: a graph break Dynamo could not resume from, a disabled function) join the ones compiled
+        backwards communicated, as DDP or FSDP2 would have reduced them. The ranks first agree on which parameters
+        those are (8 bytes), so a rank whose eager code reads other parameters raises `RankMismatchError` on every
+        rank instead of waiting. At stage 0 (fp32) they are averaged in place; from stage 1 on (and under mixed
+        precision), where compiled backwards hand their gradients to the optimizer's shards instead of autograd, they
+        are reduce-scattered (averaged) into those shards' gradients and the parameters' own cleared."""
+        eager = sorted((self._accumulated - self._reduced) | self._summed_with_eager if self.shards is None
+                       else self._accumulated)
+        if self.ranks.size > 1:
+            ranks.verify_same(guards.key_hash({"eager": tuple(eager)}),
+                              "the parameters whose gradients were computed outside the compiled regions",
+                              lambda: ", ".join(eager) or "none", self.ranks.group)
+        if eager:
+            with collectives.recording() as records:
+                self._reduce_eager_gradients(eager)
+            self._pending += records
+        for fqn, p in self._gathered_for_eager.items():
+            self.shards.release(p, fqn)
+        self._gathered_for_eager = {}
 
-    def _average_eager_gradients(self, eager: list[str]) -> None:
-        """Stage 0: average the gradients of ``eager`` (computed outside every compiled region) across the ranks,
-        in one flat bucket per dtype, after the ranks agree on the names (8 bytes), so that no rank waits alone."""
-        ranks.verify_same(guards.key_hash({"eager": tuple(eager)}),
-                          "the parameters whose gradients were computed outside the compiled regions",
-                          lambda: ", ".join(eager) or "none", self.ranks.group)
+    def _reduce_eager_gradients(self, eager: list[str]) -> None:
+        grads = {fqn: self._module_params[fqn].grad for fqn in eager}
+        if self.shards is not None:
+            self.shards.receive_eager_grads(grads)
+            for fqn in eager:
+                self._module_params[fqn].grad = None
+            return
         group, size = self.ranks.group_name, self.ranks.size
-        with collectives.recording() as records:
-            runtime.communicate_flat([self._binding.params[fqn].grad for fqn in eager],
-                                     lambda flat: collectives.wait(collectives.all_reduce(flat, "avg", group, size)))
-        self._pending += records
+        if size > 1:
+            runtime.communicate_flat(list(grads.values()), lambda flat: collectives.wait(
+                collectives.all_reduce(flat, "avg", group, size)))
 
     def _end_step(self) -> None:
         if self.shards is not None:
             self._pending += self.shards.after_update(self.bucket_bytes)
         self.last_records, self._pending = self._pending, []
         self._accumulated, self._reduced = set(), set()
+        self._compiled_grads, self._summed_with_eager = set(), set()
 
     def stats(self) -> StepStats:
         """The last step's collectives (forward, backward and ``optimizer.step()``) and communication volume; the

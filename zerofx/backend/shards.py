@@ -134,6 +134,45 @@ class Shards:
         else:
             p.grad.add_(grad)
 
+    def receive_eager_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """Gradients autograd accumulated outside every compiled backward (eager code read those parameters), full
+        shaped: averaged over ranks (stage 0) or reduce-scattered (stages 1-3) in one flat buffer per dtype, in
+        ``MixedPrecision.grad_dtype``, then added to what the optimizer updates as a compiled backward's are. Every
+        rank calls it with the same names (`Prepared` has them agree first)."""
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for fqn, grad in grads.items():
+            by_dtype.setdefault(self.mixed.grad_dtype if self.mixed else grad.dtype, []).append(fqn)
+        for dtype, names in by_dtype.items():
+            layouts = [self.layouts[fqn] for fqn in names]
+            group, size = self.ranks.group_name, self.ranks.size
+            if self.stage == 0:
+                flat = torch.cat([grads[fqn].reshape(-1).to(dtype) for fqn in names])
+                mine = collectives.wait(collectives.all_reduce(flat, "avg", group, size)) if size > 1 else flat
+                pieces = mine.split([l.numel for l in layouts])
+            else:  # row r: rank r's chunk of every parameter, so that one reduce-scatter leaves each rank its own
+                rows = torch.cat([l.padded_flat(grads[l.fqn].to(dtype)).view(l.world_size, l.shard_numel)
+                                  for l in layouts], dim=1).reshape(-1)
+                mine = collectives.wait(collectives.reduce_scatter(rows, "avg", group, size)) if size > 1 else rows
+                pieces = mine.split([l.shard_numel for l in layouts])
+            for layout, piece in zip(layouts, pieces):
+                self.receive_grad(layout.fqn, piece.view(layout.shape) if self.stage == 0 else piece)
+
+    def gather_for_eager(self, param: nn.Parameter, fqn: str) -> bool:
+        """Stage 3: fill the hollow parameter ``fqn`` (whose module eager code is about to run) with the gathered
+        full parameter; False where it is full already."""
+        if param.untyped_storage().nbytes():
+            return False
+        layout = self.layouts[fqn]
+        shard = self.graph_input(fqn).to(layout.dtype)  # under mixed precision the master's cast, as graphs gather
+        size = self.ranks.size
+        full = collectives.wait(collectives.all_gather(shard, self.ranks.group_name, size)) if size > 1 else shard
+        param.data = layout.unpad(full)
+        return True
+
+    def release(self, param: nn.Parameter, fqn: str) -> None:
+        """Stage 3: the parameter hollow again (after the backward that may have read what autograd saved of it)."""
+        param.data = _hollow(self.layouts[fqn], self.graph_input(fqn))
+
     def after_update(self, bucket_bytes: int | None) -> list[collectives.CollectiveRecord]:
         """After ``optimizer.step()``: under mixed precision (stages 0-2) the updated masters cast into the
         parameters; at stages 1-2 every rank's updated chunks gathered into them. The collectives it issued."""
