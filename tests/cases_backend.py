@@ -19,6 +19,17 @@ from nanogpt import GPT, param_groups
 LOOPS = {"zero_grad first": train_step, "zero_grad last": _zero_grad_last}
 
 
+def _clipped(model, optimizer, x, y):
+    """Gradients clipped between ``backward()`` and ``step()``, as HF Trainer does: the norm must be of averaged
+    gradients, eager parts included, or ranks would scale their updates differently."""
+    optimizer.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    optimizer.step()
+    return loss
+
+
 def _compiled(model, optimizer, stage, **backend_options):
     torch._dynamo.reset()  # each case compiles afresh: no region of an earlier model is reused
     model, optimizer = zerofx.prepare(model, optimizer, stage=stage)
@@ -205,13 +216,14 @@ EAGER_MODELS = {"head eager, embedding compiled": _seeded(EagerHeadGPT),
 
 def eager_parameters_against_ddp(rank, world_size, stage, model, mixed_precision=False, steps=5):
     """Parameters read by eager code (some of them also inside a compiled region) train as DDP does, in each loop
-    style, and their gradients reach the update. With ``mixed_precision`` (bf16) the reference is the whole-step
+    style (at stage 0 also with clipping between backward and step), and their gradients reach the update. With ``mixed_precision`` (bf16) the reference is the whole-step
     path with the same `MixedPrecision` (it traces through the eager code): losses within bf16 rounding, since
     the backend reduces the eager and the compiled part of the tied embedding's gradient apart. The last step's
     data collectives."""
     build = EAGER_MODELS[model]
     mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16) if mixed_precision else None
-    for loop in LOOPS.values():
+    clips = stage == 0 and mixed is None  # from stage 1 on gradients live on the optimizer's shards
+    for loop in [*LOOPS.values(), _clipped] if clips else LOOPS.values():
         ref_model, ref_opt = build()
         model_, opt = build()
         torch._dynamo.reset()

@@ -164,6 +164,7 @@ class _Region:
         return graph_args
 
     def _backward(self, run, args: list) -> list:
+        self.owner.during_backward()
         out = self._recorded(run, self._arguments("backward", args))
         # from stage 1 on (and under mixed precision) gradients go to what the optimizer holds, not to autograd
         for i in self.params:

@@ -51,17 +51,18 @@ class Prepared:
         self.graphs: dict[str, object] = {}  # "region0.forward", "region0.backward", ...: the graphs as run
         self._pending: list[CollectiveRecord] = []  # issued since the last optimizer.step()
         self.last_records: list[CollectiveRecord] = []
-        self._accumulated: set[str] = set()  # parameters autograd accumulated a gradient into since the last step
+        self._accumulated: set[str] = set()  # parameters autograd accumulated a gradient into in this backward
         self._reduced: set[str] = set()  # parameters whose gradient a compiled backward communicated since then
         # the model's trainable parameters (under mixed precision at stage 0 the binding names the masters instead)
         self._module_params = {fqn: p for fqn, p in self._binding.params.items() if p.requires_grad}
         self._gathered_for_eager: dict[str, nn.Parameter] = {}  # stage 3: filled for eager code until the update
         self._compiled_grads: set[tuple[int, int]] = set()  # stage 0: (data_ptr, version) of each compiled gradient
         self._summed_with_eager: set[str] = set()  # stage 0: a compiled gradient arrived summed with another part
+        self._end_of_backward_queued = False
         for fqn, p in self._module_params.items():
             p.register_hook(lambda grad, fqn=fqn: self._note_incoming(fqn, grad))
             p.register_post_accumulate_grad_hook(lambda p, fqn=fqn: self._note_accumulated(fqn, p))
-        optimizer.register_step_pre_hook(lambda *_: self._check_reduced())
+        optimizer.register_step_pre_hook(lambda *_: self._release_gathered_for_eager())
         optimizer.register_step_post_hook(lambda *_: self._end_step())
 
     def shard(self) -> None:
@@ -132,11 +133,19 @@ class Prepared:
         """Stage 0: a compiled backward hands autograd ``grad``, averaged over ranks."""
         self._compiled_grads.add((grad.data_ptr(), grad._version))
 
+    def during_backward(self) -> None:
+        """Called from every compiled backward and gradient hook: the eager parts are reduced once this backward
+        ends (`_after_backward`), so that code between ``backward()`` and ``step()`` (clipping) reads them reduced."""
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            _at_end_of_backward(self._after_backward)
+
     def _note_incoming(self, fqn: str, grad: torch.Tensor) -> None:
         """Stage 0, as autograd is about to accumulate ``grad`` into parameter ``fqn``: a parameter a compiled region
         read whose incoming gradient is not one a compiled backward handed over (autograd summed it with a part
         computed eagerly, or with another region's) is averaged once more before the update. Averaging what is
         averaged already changes nothing, so the eager part ends averaged and the rest as it was."""
+        self.during_backward()
         if self.shards is not None or grad is None or fqn not in self._reduced:
             return  # from stage 1 on autograd receives only eager parts (compiled backwards hand shards over)
         if (grad.data_ptr(), grad._version) not in self._compiled_grads:
@@ -144,19 +153,22 @@ class Prepared:
 
     def _note_accumulated(self, fqn: str, p: nn.Parameter) -> None:
         # autograd calls the hook also where a compiled backward handed the gradient to a shard instead (None here)
+        self.during_backward()
         if p.grad is not None:
             self._accumulated.add(fqn)
 
-    def _check_reduced(self) -> None:
-        """Before the update: gradients autograd accumulated outside every compiled backward (eager code read those
+    def _after_backward(self) -> None:
+        """As a backward ends: gradients autograd accumulated outside every compiled backward (eager code read those
         parameters: a graph break Dynamo could not resume from, a disabled function) join the ones compiled
         backwards communicated, as DDP or FSDP2 would have reduced them. The ranks first agree on which parameters
         those are (8 bytes), so a rank whose eager code reads other parameters raises `RankMismatchError` on every
         rank instead of waiting. At stage 0 (fp32) they are averaged in place; from stage 1 on (and under mixed
         precision), where compiled backwards hand their gradients to the optimizer's shards instead of autograd, they
         are reduce-scattered (averaged) into those shards' gradients and the parameters' own cleared."""
+        self._end_of_backward_queued = False
         eager = sorted((self._accumulated - self._reduced) | self._summed_with_eager if self.shards is None
                        else self._accumulated)
+        self._accumulated, self._compiled_grads, self._summed_with_eager = set(), set(), set()
         if self.ranks.size > 1:
             ranks.verify_same(guards.key_hash({"eager": tuple(eager)}),
                               "the parameters whose gradients were computed outside the compiled regions",
@@ -165,6 +177,10 @@ class Prepared:
             with collectives.recording() as records:
                 self._reduce_eager_gradients(eager)
             self._pending += records
+
+    def _release_gathered_for_eager(self) -> None:
+        """Before the update (after every backward that may read what autograd saved of them): stage 3's parameters
+        gathered for eager code hollow again."""
         for fqn, p in self._gathered_for_eager.items():
             self.shards.release(p, fqn)
         self._gathered_for_eager = {}
@@ -185,8 +201,7 @@ class Prepared:
         if self.shards is not None:
             self._pending += self.shards.after_update(self.bucket_bytes)
         self.last_records, self._pending = self._pending, []
-        self._accumulated, self._reduced = set(), set()
-        self._compiled_grads, self._summed_with_eager = set(), set()
+        self._reduced = set()
 
     def stats(self) -> StepStats:
         """The last step's collectives (forward, backward and ``optimizer.step()``) and communication volume; the
@@ -214,6 +229,12 @@ class Prepared:
 
     def load_state_dict(self, sd: dict) -> None:
         load_step_state(self, sd)
+
+
+def _at_end_of_backward(callback) -> None:
+    """Run ``callback`` once the running backward pass has finished (autograd's engine callback, as DDP's and FSDP2's
+    end-of-backward work uses it)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _describe_break(reason) -> str:
