@@ -210,8 +210,23 @@ def _seeded(model_class):
     return build
 
 
-EAGER_MODELS = {"head eager, embedding compiled": _seeded(EagerHeadGPT),
-                "scale read by a disabled function": _seeded(EagerScaleGPT)}
+def _whole_model(model, stage):
+    return torch.compile(model, backend=zerofx.backend(stage=stage))
+
+
+def _each_block(model, stage):
+    """As torchtitan applies torch.compile: each block compiled in place (a region each), the embeddings, final
+    norm and head eager."""
+    for block in model.blocks:
+        block.compile(backend=zerofx.backend(stage=stage))
+    return model
+
+
+# name -> (model and optimizer, how torch.compile is applied)
+EAGER_MODELS = {"head eager, embedding compiled": (_seeded(EagerHeadGPT), _whole_model),
+                "scale read by a disabled function": (_seeded(EagerScaleGPT), _whole_model),
+                "each block compiled": (_seeded(GPT), _each_block),
+                "break in the loop over blocks": (_seeded(LoopBreakGPT), _whole_model)}
 
 
 def eager_parameters_against_ddp(rank, world_size, stage, model, mixed_precision=False, steps=5):
@@ -220,7 +235,7 @@ def eager_parameters_against_ddp(rank, world_size, stage, model, mixed_precision
     path with the same `MixedPrecision` (it traces through the eager code): losses within bf16 rounding, since
     the backend reduces the eager and the compiled part of the tied embedding's gradient apart. The last step's
     data collectives."""
-    build = EAGER_MODELS[model]
+    build, apply_compile = EAGER_MODELS[model]
     mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16) if mixed_precision else None
     clips = stage == 0 and mixed is None  # from stage 1 on gradients live on the optimizer's shards
     for loop in [*LOOPS.values(), _clipped] if clips else LOOPS.values():
@@ -228,7 +243,7 @@ def eager_parameters_against_ddp(rank, world_size, stage, model, mixed_precision
         model_, opt = build()
         torch._dynamo.reset()
         model_, opt = zerofx.prepare(model_, opt, stage=stage, mixed_precision=mixed)
-        compiled = torch.compile(model_, backend=zerofx.backend(stage=stage))
+        compiled = apply_compile(model_, stage)
         if mixed is None:
             _train_beside_ddp(compiled, opt, ref_model, ref_opt, loop, rank, steps)
             # the tied embedding's gradient is averaged in two parts: the attention key's bias, whose gradient is
@@ -240,26 +255,8 @@ def eager_parameters_against_ddp(rank, world_size, stage, model, mixed_precision
             x, y = token_batch(i, rank)
             torch.testing.assert_close(loop(compiled, opt, x, y).item(), whole_step(ref_model, ref_opt, x, y).item(),
                                        rtol=1e-2, atol=0, msg=f"step {i}")
-    return {"records": _records(zerofx.prepared(compiled).stats().collectives)}
-
-
-def _loop_break_gpt_and_adamw():
-    torch.manual_seed(0)
-    model = LoopBreakGPT(TINY_GPT)
-    return model, torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=3e-3)
-
-
-def eager_parameters_averaged_at_stage_0(rank, world_size, steps=6):
-    """The embeddings and the head run eagerly (a break Dynamo cannot resume from), the blocks compiled: at stage 0
-    their gradients are averaged before the update, and each loop style trains as DDP does; the last step's
-    collectives."""
-    for loop in LOOPS.values():
-        ref_model, ref_opt = _loop_break_gpt_and_adamw()
-        model, opt = _compiled(*_loop_break_gpt_and_adamw(), stage=0)
-        _train_beside_ddp(model, opt, ref_model, ref_opt, loop, rank, steps)
-        assert_matches_ddp(zerofx.prepared(model), ref_model, ref_opt)
-    eager = sum(p.numel() for name, p in ref_model.named_parameters() if not name.startswith("blocks."))
-    return {"records": _records(zerofx.prepared(model).stats().collectives), "eager_numel": eager}
+    return {"records": _records(zerofx.prepared(compiled).stats().collectives),
+            "numels": {name: p.numel() for name, p in model_.named_parameters()}}
 
 
 def eager_parameters_differing_across_ranks(rank, world_size, stage):

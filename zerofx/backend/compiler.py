@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 from functorch.compile import make_boxed_func
@@ -102,7 +103,6 @@ class _Region:
         self.stage = backend.stage
         self.slots = [owner.slot_of(x) for x in example_inputs]
         self.params = [i for i, slot in enumerate(self.slots) if slot is not None and slot.role == Role.PARAM]
-        self.compiled_for = {self.slots[i].fqn for i in self.params}
         # stage 3: the inputs the graphs take this rank's shard for
         self.sharded = [i for i in self.params if self.slots[i].fqn in owner.layouts] if self.stage >= 3 else []
         self.artifacts: dict = {}  # what forward's passes planned, for backward's
@@ -111,8 +111,11 @@ class _Region:
         self.fingerprint = 0  # the compiled forward's (`runtime.fingerprint`)
         # "forward", "backward": how each graph is called (`graph_inputs`); None: with the arguments as they come
         self.inputs: dict[str, list | None] = {}
+        self.runs = _Runs()  # from stage 1 on (and mixed precision): whose parameters each pending forward read
+
 
     def compile_forward(self, fw: fx.GraphModule, _inputs):
+        self.runs.outputs = _output_names(fw)
         fw = tag_forward(fw, self.slots)
         if self.stage >= 3:
             self.saved_params = hold_shards(fw, self.owner.layouts)
@@ -123,6 +126,7 @@ class _Region:
         return _boxed(lambda args: self._forward(run, args))
 
     def compile_backward(self, bw: fx.GraphModule, _inputs):
+        self.runs.saved_by(bw)
         bw = tag_backward(bw, self.slots, self.saved_params)
         held = {}
         if self.stage >= 3:
@@ -146,29 +150,36 @@ class _Region:
         read = self._reads(args)
         self._agree_on_graph()
         for i in self.sharded:
-            args[i] = self.owner.shards.graph_input(self.slots[i].fqn)
+            args[i] = self.owner.shards.graph_input(read[i])
         shards = {i: args[i] for i in self.handed.values()}  # before the run: a boxed call clears ``args``
-        out = self._recorded(run, self._arguments("forward", args), read)
+        out = self._recorded(run, self._arguments("forward", args, read), set(read.values()))
         for out_index, in_index in self.handed.items():
             out[out_index] = shards[in_index]
+        if self.owner.shards is not None:
+            self.runs.started(read, out)
         return out
 
-    def _arguments(self, which: str, args: list) -> list:
+    def _arguments(self, which: str, args: list, read: dict[int, str]) -> list:
         """``args`` as the graph ``which`` takes them after its passes (`graph_inputs`): the same list where they
-        changed nothing, else a new one, and ``args`` cleared as a boxed call would."""
+        changed nothing, else a new one, and ``args`` cleared as a boxed call would. ``read``: the parameter at each
+        input position in this run (whose master shards it takes)."""
         plan = self.inputs[which]
         if plan is None:
             return args
-        graph_args = [args[x] if isinstance(x, int) else self.owner.shards.state.masters[x.fqn] for x in plan]
+        actual = {self.slots[i].fqn: fqn for i, fqn in read.items()}
+        masters = self.owner.shards.state.masters if self.owner.shards is not None else {}
+        graph_args = [args[x] if isinstance(x, int) else masters[actual[x.fqn]] for x in plan]
         args.clear()
         return graph_args
 
     def _backward(self, run, args: list) -> list:
         self.owner.during_backward()
-        out = self._recorded(run, self._arguments("backward", args))
+        read = self.runs.finished(args) if self.owner.shards is not None else {i: self.slots[i].fqn
+                                                                                for i in self.params}
+        out = self._recorded(run, self._arguments("backward", args, read))
         # from stage 1 on (and under mixed precision) gradients go to what the optimizer holds, not to autograd
         for i in self.params:
-            fqn = self.slots[i].fqn
+            fqn = read[i]
             if out[i] is None:
                 continue
             if fqn in self.owner.layouts:
@@ -189,19 +200,11 @@ class _Region:
                 ranks.agree(self.fingerprint, "the compiled forward graph",
                             lambda: f"{name}, fingerprint {self.fingerprint:x}", dp.group))
 
-    def _reads(self, args: list) -> set[str]:
-        """The parameters a run reads, whose gradients its backward communicates. At stage 0 a region compiled once
-        may run for several modules of one class (each block), with other parameters than it was compiled with;
-        from stage 1 on (and under mixed precision) its backward hands gradient shards (master gradients) to the
-        parameters it was compiled for, so no other."""
-        read = {self.owner.fqn_of(args[i]) for i in self.params}
-        if self.owner.shards is not None and read != self.compiled_for:
-            raise NotImplementedError(
-                f"zerofx.backend: a region compiled for parameters {sorted(self.compiled_for)} runs for "
-                f"{sorted(read)} (one graph serving several modules of a class); from stage 1 on, and under "
-                "mixed precision, its backward could not tell whose gradient shards it computes. Compile the whole "
-                "model, or use stage 0 without mixed_precision")
-        return read
+    def _reads(self, args: list) -> dict[int, str]:
+        """The parameter at each parameter input position of this run: a region compiled once may run for several
+        modules of one class (each block of a per-block ``torch.compile``), with other parameters than it was
+        compiled with, whose gradients its backward then communicates."""
+        return {i: self.owner.fqn_of(args[i]) for i in self.params}
 
     def _recorded(self, run, args: list, read: set[str] = frozenset()) -> list:
         with collectives.recording() as records:
@@ -211,6 +214,48 @@ class _Region:
                 collectives.settle_pending()  # a graph that issued no collective still checks the ranks agree
         self.owner.record(records, read)
         return out
+
+
+class _Runs:
+    """Which parameters each forward run of a region read, until its backward runs: a region serving several modules
+    hands each backward's gradient shards to the parameters its own forward read. A backward is matched to its
+    forward by the tensors forward saved for it (AOTAutograd names a saved value's backward input as the forward
+    node it is), which are alive, so theirs alone, until that backward has run."""
+
+    def __init__(self):
+        self.outputs: list[str | None] = []  # the forward graph's output node names, as AOTAutograd made it
+        self.saved: list[tuple[int, int]] = []  # (backward input, forward output) of each saved tensor
+        self.pending: list[tuple[dict[int, str], list[int | None]]] = []  # (read, output data_ptrs) per forward run
+
+    def saved_by(self, bw: fx.GraphModule) -> None:
+        names = [n.name for n in bw.graph.nodes if n.op == "placeholder"]
+        self.saved = [(b, self.outputs.index(name)) for b, name in enumerate(names) if name in self.outputs]
+
+    def started(self, read: dict[int, str], out: list) -> None:
+        self.pending.append((read, [t.data_ptr() if isinstance(t, torch.Tensor) and t.data_ptr() else None
+                                    for t in out]))
+        del self.pending[:-_MAX_PENDING_RUNS]  # forwards whose backward never ran (the loss dropped)
+
+    def finished(self, args: list) -> dict[int, str]:
+        """The parameters the forward run whose backward this is read (``args``: the backward's inputs)."""
+        ptrs = [(f, args[b].data_ptr()) for b, f in self.saved if isinstance(args[b], torch.Tensor)]
+        matches = [k for k, (_, outs) in enumerate(self.pending)
+                   if all(outs[f] == ptr for f, ptr in ptrs if ptr and outs[f] is not None)]
+        reads = {tuple(sorted(self.pending[k][0].items())) for k in matches}
+        if len(reads) != 1:
+            raise RuntimeError(
+                f"zerofx.backend: cannot tell which of {len(self.pending)} pending forward runs of a compiled region "
+                f"this backward belongs to ({len(matches)} match the tensors it saved), so not whose gradient shards "
+                "it computes; compile the whole model, or use stage 0 without mixed_precision")
+        return self.pending.pop(matches[-1])[0]
+
+
+_MAX_PENDING_RUNS = 1024
+
+
+def _output_names(gm: fx.GraphModule) -> list[str | None]:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return [v.name if isinstance(v, fx.Node) else None for v in output.args[0]]
 
 
 def _boxed(fn):
