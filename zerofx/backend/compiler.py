@@ -113,7 +113,6 @@ class _Region:
         self.inputs: dict[str, list | None] = {}
         self.runs = _Runs()  # from stage 1 on (and mixed precision): whose parameters each pending forward read
 
-
     def compile_forward(self, fw: fx.GraphModule, _inputs):
         self.runs.outputs = _output_names(fw)
         fw = tag_forward(fw, self.slots)
@@ -202,8 +201,8 @@ class _Region:
 
     def _reads(self, args: list) -> dict[int, str]:
         """The parameter at each parameter input position of this run: a region compiled once may run for several
-        modules of one class (each block of a per-block ``torch.compile``), with other parameters than it was
-        compiled with, whose gradients its backward then communicates."""
+        modules of one class (each block, where a break inside the loop over them leaves the loop to eager), with
+        other parameters than it was compiled with, whose gradients its backward then communicates."""
         return {i: self.owner.fqn_of(args[i]) for i in self.params}
 
     def _recorded(self, run, args: list, read: set[str] = frozenset()) -> list:

@@ -18,7 +18,9 @@ no ``param_dtype`` shard, its graphs gather casts of the master shards (``cast_p
 What the model's parameters are: at stages 1-2 views of the padded flat storage (so an update of a shard is an update
 of the parameter's chunk, and `gather_after_update`'s graph gathers the other ranks' chunks into the rest); at stage
 3 full-shaped tensors without memory, which Dynamo and autograd see as the parameters (shapes, strides, dtype) and
-which no compiled graph reads: each runs on the shards, gathering what it reads.
+which no compiled graph reads: each runs on the shards, gathering what it reads. A module whose forward runs
+eagerly has its own filled for it (`gather_for_eager`) until the update (`release`). Gradients autograd accumulated
+outside the compiled backwards, full-shaped, are reduced into the shards as a backward ends (`receive_eager_grads`).
 """
 
 from __future__ import annotations
