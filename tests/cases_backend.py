@@ -141,6 +141,28 @@ def ranks_compiling_different_graphs(rank, world_size, stage):
     return _first_step_error(model, stage, rank, RankMismatchError)
 
 
+class ExtraRegionOnOneRankGPT(GPT):
+    """On the ranks that set ``extra`` the loss gains a term compiled as a region of its own (after a break), which
+    reads a parameter: the first region is the same graph on every rank, and one rank runs one region more."""
+
+    extra = False
+
+    def forward(self, idx, targets):
+        loss = super().forward(idx, targets)
+        if self.extra:
+            torch._dynamo.graph_break()
+            loss = loss + 0.0 * self.ln_f.weight.sum()
+        return loss
+
+
+def ranks_running_different_regions(rank, world_size, stage):
+    """The error each rank raises when rank 1 runs a compiled region more than rank 0."""
+    torch.manual_seed(0)
+    model = ExtraRegionOnOneRankGPT(TINY_GPT)
+    model.extra = rank == 1
+    return _first_step_error(model, stage, rank, RankMismatchError)
+
+
 def _first_step_error(model, stage, rank, error) -> str | None:
     """The message of the ``error`` the model's first step through the backend raises, or None."""
     model, opt = _compiled(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=stage)

@@ -104,6 +104,15 @@ def test_ranks_compiling_different_graphs_raise_before_their_collectives_disagre
     assert "rank 0: region0.forward" in messages[0] and "rank 1: region0.forward" in messages[0]
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_rank_running_a_region_more_raises_on_every_rank_instead_of_hanging(ranks2, stage):
+    """Rank 1's loss gains a term compiled as a region of its own: its agreement meets rank 0's backward's."""
+    messages = ranks2.run(cases.ranks_running_different_regions, timeout=60, stage=stage)
+    for message in messages:
+        assert message.startswith("ranks would run different graphs"), messages
+        assert "rank 0: region0.backward" in message and "rank 1: region1.forward" in message, messages
+
+
 @pytest.mark.parametrize("backend_stage, whole_step_stage", [(0, 3), (3, 1)])
 def test_checkpoints_move_between_the_backend_and_the_whole_step_path(ranks2, tmp_path, backend_stage,
                                                                       whole_step_stage):

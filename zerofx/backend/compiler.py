@@ -23,7 +23,7 @@ import torch.fx as fx
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from zerofx import collectives, dump, ranks, runtime
+from zerofx import collectives, dump, guards, ranks, runtime
 from zerofx.api import UNSHARDED_BUCKET_BYTES
 from zerofx.backend.aot_graphs import (add_master_inputs, graph_inputs, hand_shards_to_backward, hold_shards,
                                        partition_recomputing_param_views, recompute_views_where_read, tag_backward,
@@ -173,6 +173,7 @@ class _Region:
 
     def _backward(self, run, args: list) -> list:
         self.owner.during_backward()
+        self._agree_on_graph("backward")
         read = self.runs.finished(args) if self.owner.shards is not None else {i: self.slots[i].fqn
                                                                                 for i in self.params}
         out = self._recorded(run, self._arguments("backward", args, read))
@@ -188,16 +189,20 @@ class _Region:
                 self.owner.note_compiled_grad(out[i])
         return out
 
-    def _agree_on_graph(self) -> None:
-        """Ranks run the same forward graph here, and so the same collectives after it: an 8-byte all-gather of its
-        fingerprint, awaited just before the graph's first collective (at the run's end if it issues none), raises
-        on every rank where one differs (a batch shaped otherwise on one rank, a graph break on one rank only)."""
+    def _agree_on_graph(self, which: str = "forward") -> None:
+        """Ranks run the same graph here, and so the same collectives after it: an 8-byte all-gather of the compiled
+        forward's fingerprint (and of which graph of the region this is), awaited just before the graph's first
+        collective (at the run's end if it issues none), raises on every rank where one differs (a batch shaped
+        otherwise on one rank, a graph break on one rank only). On a group of its own (`Prepared.control_group`):
+        a rank running a region the others do not meets their next agreement (the backward's, at the latest)
+        rather than a collective of data."""
         dp = self.owner.ranks
         if dp.size > 1:
-            name = f"{self.name}.forward"
+            name = f"{self.name}.{which}"
+            value = self.fingerprint if which == "forward" else guards.key_hash({which: (self.fingerprint,)})
             collectives.before_next_collective(
-                ranks.agree(self.fingerprint, "the compiled forward graph",
-                            lambda: f"{name}, fingerprint {self.fingerprint:x}", dp.group))
+                ranks.agree(value, f"the compiled {which} graph",
+                            lambda: f"{name}, fingerprint {self.fingerprint:x}", self.owner.control_group))
 
     def _reads(self, args: list) -> dict[int, str]:
         """The parameter at each parameter input position of this run: a region compiled once may run for several

@@ -15,6 +15,7 @@ import contextlib
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from zerofx import collectives, guards, optim_support, ranks, runtime
@@ -22,7 +23,7 @@ from zerofx.api import Config
 from zerofx.backend.shards import Shards
 from zerofx.binding import StepBinding
 from zerofx.collectives import CollectiveRecord
-from zerofx.mesh import DTensorSpecs, mesh_ranks
+from zerofx.mesh import DTensorSpecs, MeshRanks, mesh_ranks
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, model_state_bytes, ring_volume, step_formula, trainable_numel
@@ -38,6 +39,7 @@ class Prepared:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config):
         self.model, self.optimizer, self.config = model, optimizer, config
         self.ranks = mesh_ranks(config.mesh)
+        self.control_group = _control_group(self.ranks)
         self._binding = StepBinding.from_args((model, optimizer))
         self._args = (model, optimizer)
         self.shards: Shards | None = None  # stages 1-3 and mixed precision, from `shard`
@@ -172,7 +174,7 @@ class Prepared:
         if self.ranks.size > 1:
             ranks.verify_same(guards.key_hash({"eager": tuple(eager)}),
                               "the parameters whose gradients were computed outside the compiled regions",
-                              lambda: ", ".join(eager) or "none", self.ranks.group)
+                              lambda: ", ".join(eager) or "none", self.control_group)
         if eager:
             with collectives.recording() as records:
                 self._reduce_eager_gradients(eager)
@@ -229,6 +231,15 @@ class Prepared:
 
     def load_state_dict(self, sd: dict) -> None:
         load_step_state(self, sd)
+
+
+def _control_group(dp: MeshRanks) -> dist.ProcessGroup | None:
+    """The data-parallel ranks again, for the ranks' agreements alone: the eager loop decides which compiled graphs
+    run, so a rank may run one the others do not, and its agreement must then meet another agreement (and fail),
+    never a collective of gradients or parameters (and hang). Every rank creates it, in ``prepare``."""
+    if dp.size == 1:
+        return None
+    return dist.new_group(ranks=dist.get_process_group_ranks(dp.group or dist.group.WORLD))
 
 
 def _at_end_of_backward(callback) -> None:
