@@ -253,9 +253,10 @@ EAGER_MODELS = {"head eager, embedding compiled": (_seeded(EagerHeadGPT), _whole
 
 def eager_parameters_against_ddp(rank, world_size, stage, model, mixed_precision=False, steps=5):
     """Parameters read by eager code (some of them also inside a compiled region) train as DDP does, in each loop
-    style (at stage 0 also with clipping between backward and step), and their gradients reach the update. With ``mixed_precision`` (bf16) the reference is the whole-step
-    path with the same `MixedPrecision` (it traces through the eager code): losses within bf16 rounding, since
-    the backend reduces the eager and the compiled part of the tied embedding's gradient apart. The last step's
+    style (at stage 0 also with clipping between backward and step), and their gradients reach the update. With
+    ``mixed_precision`` (bf16) the reference is the whole-step path with the same `MixedPrecision` (it traces
+    through the eager code): losses within bf16 rounding, since the backend reduces the eager and the compiled part
+    of the tied embedding's gradient apart. The last step's
     data collectives."""
     build, apply_compile = EAGER_MODELS[model]
     mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16) if mixed_precision else None
