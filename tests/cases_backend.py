@@ -251,6 +251,21 @@ EAGER_MODELS = {"head eager, embedding compiled": (_seeded(EagerHeadGPT), _whole
                 "break in the loop over blocks": (_seeded(LoopBreakGPT), _whole_model)}
 
 
+def _evaluate_beside_ddp(compiled, model, ref_model, rank, stage, step):
+    """An evaluation between steps (eval mode, no gradients) gives DDP's loss; at stage 3 it leaves every
+    parameter without memory again (what eager module calls gathered is released as their forward ends)."""
+    model.eval()
+    ref_model.eval()
+    with torch.no_grad():
+        x, y = token_batch(step, rank)
+        torch.testing.assert_close(compiled(x, y).item(), ref_model(x, y).item(), rtol=1e-5, atol=0, msg="eval")
+    model.train()
+    ref_model.train()
+    if stage == 3:
+        full = [name for name, p in model.named_parameters() if p.untyped_storage().nbytes()]
+        assert not full, f"gathered after an evaluation: {full}"
+
+
 def eager_parameters_against_ddp(rank, world_size, stage, model, mixed_precision=False, steps=5):
     """Parameters read by eager code (some of them also inside a compiled region) train as DDP does, in each loop
     style (at stage 0 also with clipping between backward and step), and their gradients reach the update. With
@@ -272,6 +287,8 @@ def eager_parameters_against_ddp(rank, world_size, stage, model, mixed_precision
             # the tied embedding's gradient is averaged in two parts: the attention key's bias, whose gradient is
             # analytically zero (rounding noise that Adam scales up to lr), differs by about 1e-5, as with a break
             assert_matches_ddp(zerofx.prepared(compiled), ref_model, ref_opt, atol=2e-5)
+            _evaluate_beside_ddp(compiled, model_, ref_model, rank, stage, steps)
+            _train_beside_ddp(compiled, opt, ref_model, ref_opt, loop, rank, 1, first=steps + 1)  # and train on
             continue
         whole_step = zerofx.compile(loop, stage=stage, mixed_precision=mixed)
         for i in range(steps):
