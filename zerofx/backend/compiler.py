@@ -103,6 +103,7 @@ class _Region:
         self.stage = backend.stage
         self.slots = [owner.slot_of(x) for x in example_inputs]
         self.params = [i for i, slot in enumerate(self.slots) if slot is not None and slot.role == Role.PARAM]
+        self.compiled_for = {i: self.slots[i].fqn for i in self.params}  # a run may read other modules' (`_reads`)
         # stage 3: the inputs the graphs take this rank's shard for
         self.sharded = [i for i in self.params if self.slots[i].fqn in owner.layouts] if self.stage >= 3 else []
         self.artifacts: dict = {}  # what forward's passes planned, for backward's
@@ -165,7 +166,7 @@ class _Region:
         plan = self.inputs[which]
         if plan is None:
             return args
-        actual = {self.slots[i].fqn: fqn for i, fqn in read.items()}
+        actual = {self.compiled_for[i]: fqn for i, fqn in read.items()}
         masters = self.owner.shards.state.masters if self.owner.shards is not None else {}
         graph_args = [args[x] if isinstance(x, int) else masters[actual[x.fqn]] for x in plan]
         args.clear()
@@ -174,8 +175,8 @@ class _Region:
     def _backward(self, run, args: list) -> list:
         self.owner.during_backward()
         self._agree_on_graph("backward")
-        read = self.runs.finished(args) if self.owner.shards is not None else {i: self.slots[i].fqn
-                                                                                for i in self.params}
+        # stage 0 (fp32): autograd routes each gradient to whichever parameter its forward read
+        read = self.runs.finished(args) if self.owner.shards is not None else self.compiled_for
         out = self._recorded(run, self._arguments("backward", args, read))
         # from stage 1 on (and under mixed precision) gradients go to what the optimizer holds, not to autograd
         for i in self.params:

@@ -144,9 +144,9 @@ class Shards:
         by_dtype: dict[torch.dtype, list[str]] = {}
         for fqn, grad in grads.items():
             by_dtype.setdefault(self.mixed.grad_dtype if self.mixed else grad.dtype, []).append(fqn)
+        group, size = self.ranks.group_name, self.ranks.size
         for dtype, names in by_dtype.items():
             layouts = [self.layouts[fqn] for fqn in names]
-            group, size = self.ranks.group_name, self.ranks.size
             if self.stage == 0:
                 flat = torch.cat([grads[fqn].reshape(-1).to(dtype) for fqn in names])
                 mine = collectives.wait(collectives.all_reduce(flat, "avg", group, size)) if size > 1 else flat
