@@ -119,7 +119,7 @@ def main() -> None:
         p.join(timeout=30)
         if p.is_alive():
             p.kill()  # a rank stuck leaving the process group has already delivered its figures
-    print(f"{args.world} ranks, {args.rounds} rounds of {args.steps} batches, OMP_NUM_THREADS=1")
+    print(f"{args.world} ranks, {args.rounds} rounds of {args.steps} batches, one thread per rank")
     report(measured, args.rounds, args.steps)
 
 
