@@ -31,18 +31,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import zerofx  # noqa: E402
-from nanogpt import GPTConfig, param_groups  # noqa: E402
+from nanogpt import GPTConfig  # noqa: E402
 from peers import systems  # noqa: E402
 from peers.run import _batches  # noqa: E402
 
 WARMUP = 3
-
-
-def _zerofx_step(cfg: GPTConfig, options: dict):
-    model = systems.build(cfg)
-    optimizer = torch.optim.AdamW(param_groups(model, systems.WEIGHT_DECAY), lr=systems.LR)
-    compiled = zerofx.compile(systems._train_step, stage=0, **options)
-    return lambda x, y: compiled(model, optimizer, x, y)
 
 
 def _options(variant: str) -> dict:
@@ -57,7 +50,8 @@ def worker(rank: int, args, port: int, text: str, results) -> None:
     cfg = GPTConfig(vocab_size=len(set(text)), block_size=64, n_layer=4, n_head=4, n_embd=128)
     batch = _batches(cfg, 8, rank, text)
     steps = {"DDP": systems.ddp_system(cfg).step}
-    steps.update({f"zerofx-0 {v or 'defaults'}": _zerofx_step(cfg, _options(v)) for v in args.variant})
+    for variant in args.variant:
+        steps[f"zerofx-0 {variant or 'defaults'}"] = systems.zerofx_system(cfg, 0, False, **_options(variant)).step
     names = list(steps)
     index = 0
     for name in names:
@@ -91,8 +85,8 @@ def report(measured: dict, rounds: int, steps: int) -> None:
     print(f"{'system':52s} {'step ms':>8s} {'paired':>7s} {'rounds':>18s} {'faults':>8s}")
     for name, (times, faults) in measured.items():
         paired = statistics.median(a / b for a, b in zip(times, ddp))
-        by_round = [statistics.median(times[k * steps:(k + 1) * steps]) / statistics.median(ddp[k * steps:(k + 1) * steps])
-                    for k in range(rounds)]
+        rounds_of = [slice(k * steps, (k + 1) * steps) for k in range(rounds)]
+        by_round = [statistics.median(times[r]) / statistics.median(ddp[r]) for r in rounds_of]
         spread = f"{statistics.median(by_round):.3f} ({min(by_round):.2f}-{max(by_round):.2f})"
         print(f"{name:52s} {statistics.median(times) * 1e3:8.2f} {paired:7.3f} {spread:>18s} {faults:8.0f}")
 

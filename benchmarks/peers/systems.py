@@ -36,14 +36,16 @@ def _train_step(model, optimizer, x, y):
 
 
 def zerofx_system(cfg: GPTConfig, stage: int, bf16: bool, bucket_bytes: int | None = None,
-                  reshard_after_forward: bool = True, checkpoint: bool = False) -> System:
+                  reshard_after_forward: bool = True, checkpoint: bool = False, **options) -> System:
     """zerofx as its users run it (``bucket_bytes=None``: units from the model's blocks), or with buckets given;
-    ``checkpoint``: its own activation checkpointing of the blocks."""
+    ``checkpoint``: its own activation checkpointing of the blocks; ``options``: any other ``zerofx.compile``
+    keywords."""
     model = build(cfg)
     optimizer = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR)
     mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     compiled = zerofx.compile(_train_step, stage=stage, bucket_bytes=bucket_bytes, mixed_precision=mixed,
-                              reshard_after_forward=reshard_after_forward, checkpoint="blocks" if checkpoint else None)
+                              reshard_after_forward=reshard_after_forward, checkpoint="blocks" if checkpoint else None,
+                              **options)
     name = f"zerofx-{stage}" + ("" if reshard_after_forward or stage < 3 else " no-reshard") + \
         ("" if bucket_bytes is None else " tuned buckets")
     return System(name, "bf16" if bf16 else "fp32", stage, lambda x, y: compiled(model, optimizer, x, y),
