@@ -17,6 +17,7 @@ from zerofx import collectives, dump
 from zerofx.binding import StepBinding, incoming_grads, input_values, present_grads
 from zerofx.capture import CapturedStep, capture
 from zerofx.errors import CaptureError
+from zerofx.fast_calls import fast_calls
 from zerofx.memory import StepProbe
 from zerofx.memory import timeline
 from zerofx.memory.lifetimes import StepMemoryPlan, lifetimes, plan_step
@@ -57,6 +58,11 @@ class CompiledGraph:
         if self._memory_plan is None:
             self._memory_plan = plan_step(self.gm.graph)
         return self._memory_plan
+
+    @functools.cached_property
+    def runnable(self) -> fx.GraphModule:
+        """The graph as it runs: ``gm`` with its ATen calls through torch's faster bindings (`fast_calls`)."""
+        return fast_calls(self.gm)
 
     @functools.cached_property
     def takes_rank_or_arena(self) -> bool:
@@ -196,7 +202,7 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
                           override=lookup if needs_lookup else None)
     try:
         with torch.no_grad():
-            outputs = probe.run_step(inputs, roots=inputs) if probe else compiled.gm(*inputs)
+            outputs = probe.run_step(inputs, roots=inputs) if probe else compiled.runnable(*inputs)
     finally:
         collectives.settle_pending()  # a step that issued no collective still checks its rank agreement
     user_leaves = dict(compiled.captured.user_out_constants)

@@ -29,6 +29,7 @@ from zerofx.backend.aot_graphs import (add_master_inputs, graph_inputs, hand_sha
                                        partition_recomputing_param_views, recompute_views_where_read, tag_backward,
                                        tag_forward)
 from zerofx.backend.prepared import Prepared, owner_of
+from zerofx.fast_calls import fast_calls
 from zerofx.passes import PassContext, Pipeline, allgather_params, pipeline, shard_optimizer_state
 from zerofx.step_graph import Role
 
@@ -122,7 +123,7 @@ class _Region:
             self.handed = hand_shards_to_backward(fw, self.saved_params)
         fw = self._compile("forward", fw, self.artifacts, self.saved_params)
         self.fingerprint = runtime.fingerprint(fw)
-        run = make_boxed_func(fw)
+        run = make_boxed_func(fast_calls(fw))
         return _boxed(lambda args: self._forward(run, args))
 
     def compile_backward(self, bw: fx.GraphModule, _inputs):
@@ -132,7 +133,7 @@ class _Region:
         if self.stage >= 3:
             held = hold_shards(bw, self.owner.layouts)
             recompute_views_where_read(bw, held)
-        run = make_boxed_func(self._compile("backward", bw, dict(self.artifacts), held))
+        run = make_boxed_func(fast_calls(self._compile("backward", bw, dict(self.artifacts), held)))
         return _boxed(lambda args: self._backward(run, args))
 
     def _compile(self, which: str, gm: fx.GraphModule, artifacts: dict, held: dict) -> fx.GraphModule:

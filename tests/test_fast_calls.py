@@ -1,0 +1,60 @@
+"""`zerofx.fast_calls`: the graph a step runs calls torch's bindings only where they dispatch to the very overload
+the graph names, and computes bitwise what the graph computes."""
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from zerofx.fast_calls import fast_calls
+
+aten = torch.ops.aten
+
+
+def _step(x, w, b, s):
+    h = aten.addmm.default(b, x, aten.t.default(w))
+    h = aten.mul.Tensor(aten.add.Tensor(h, 1.5), 0.5)  # Python numbers: resolved as wrapped-number tensors
+    h = aten.add.Scalar(h, 2)  # the binding torch.add(h, 2) would reach add.Tensor instead
+    h = aten.pow.Tensor_Scalar(h, 2)
+    h = aten.div.Tensor_mode(h, 3.0, rounding_mode="floor")
+    out, mean, rstd = aten.native_layer_norm.default(h, [h.shape[-1]], None, None, 1e-5)
+    scale = aten._local_scalar_dense.default(aten.sum.default(s))  # a Python float at run time
+    parts = aten.split.Tensor(aten.view.default(out, [-1]), 5)
+    flat = aten.cat.default([parts[1], parts[0]])
+    s.mul_(scale)  # in place, on an input
+    return aten.mul.Tensor(flat, scale), mean, rstd
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(4, 6, generator=g), torch.randn(5, 6, generator=g), torch.randn(5, generator=g),
+            torch.randn(2, generator=g))
+
+
+def _traced():
+    return make_fx(_step, tracing_mode="fake")(*_inputs())
+
+
+def test_runs_bitwise_as_the_graph_and_mutates_inputs_alike():
+    gm = _traced()
+    want_inputs, got_inputs = _inputs(), _inputs()
+    want, got = gm(*want_inputs), fast_calls(gm)(*got_inputs)
+    for a, b in zip(want + want_inputs, got + got_inputs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_an_overload_no_binding_reaches_keeps_its_overload():
+    fast = fast_calls(_traced())
+    left = {n.target for n in fast.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+    assert aten.add.Scalar in left  # torch.add(h, 2) dispatches add.Tensor: not the same call
+    rewritten = {n.target for n in fast.graph.nodes if n.op in ("call_method", "call_function")} - left
+    assert {"t", "view", "item", "split", "mul"} <= {getattr(t, "__name__", t) for t in rewritten}
+    assert aten.mul.Tensor not in left and aten.addmm.default not in left
+
+
+def test_the_graph_it_was_made_from_is_left_as_it_was():
+    gm = _traced()
+    before = [(n.op, n.target, n.args, n.meta["val"].shape if isinstance(n.meta.get("val"), torch.Tensor) else None)
+              for n in gm.graph.nodes]
+    fast_calls(gm)
+    after = [(n.op, n.target, n.args, n.meta["val"].shape if isinstance(n.meta.get("val"), torch.Tensor) else None)
+             for n in gm.graph.nodes]
+    assert before == after

@@ -1,0 +1,114 @@
+"""The graph a step runs: the final graph with each ATen call made through torch's own Python binding of that op
+(``x.view(-1)``, ``torch.mm(a, b)``) wherever that binding dispatches to exactly the overload the graph names.
+
+The graph's ``torch.ops.aten.view.default(x, [-1])`` parses its arguments against the op's schema at every call,
+which costs 1-4 µs more than the binding's generated parser: over the thousand-odd calls of a training step that is
+a few percent of a small model's step time on a CPU. Whether a binding reaches the same overload depends only on the
+Python types of the arguments, so each (overload, argument types) is checked once, on fake tensors, by recording what
+the binding dispatches; a binding that dispatches anything else (another overload, a decomposition) is not used. The
+graph kept for dumps, statistics and memory probes is left as it was: only the copy that runs is rewritten.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn)
+_METHOD_FOR = {"_local_scalar_dense": "item"}  # overloads whose binding has another name
+
+
+def fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` to run: its ATen calls through the bindings that dispatch to the same overloads, its
+    other nodes as they were. Needs the nodes' ``val`` metadata (capture gives it); values are bitwise unchanged."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    checked: dict[tuple, tuple[str, Any] | None] = {}
+    fake_mode = _fake_mode(gm.graph)
+    for node in copies.values():
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        key = (node.target, _argument_types(node))
+        if key not in checked:
+            checked[key] = _binding_of(node, fake_mode)
+        if checked[key] is not None:
+            node.op, node.target = checked[key]
+    return fx.GraphModule(gm, graph)
+
+
+def _fake_mode(graph: fx.Graph):
+    return next((n.meta["val"].fake_mode for n in graph.nodes
+                 if isinstance(n.meta.get("val"), torch._subclasses.FakeTensor)), None)
+
+
+def _argument_types(node: fx.Node) -> tuple:
+    """What a binding's overload resolution reads: the structure of the arguments and each leaf's Python type."""
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    return str(spec), tuple(_type_of(leaf) for leaf in leaves)
+
+
+def _type_of(leaf: Any) -> type:
+    value = leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}.get(type(value), type(value))
+
+
+def _binding_of(node: fx.Node, fake_mode) -> tuple[str, Any] | None:
+    """``("call_method", name)`` or ``("call_function", fn)`` whose call on fake arguments dispatches exactly
+    ``node.target`` and nothing else; None if no binding does."""
+    if fake_mode is None:
+        return None
+    name = node.target.overloadpacket.__name__
+    candidates: list[tuple[str, Any]] = []
+    if node.args and isinstance(node.args[0], fx.Node) and isinstance(node.args[0].meta.get("val"), torch.Tensor):
+        method = _METHOD_FOR.get(name, name)
+        if hasattr(torch.Tensor, method):
+            candidates.append(("call_method", method))
+    candidates += [("call_function", getattr(ns, name)) for ns in _NAMESPACES if hasattr(ns, name)]
+    for kind, target in candidates:
+        with fake_mode:
+            args, kwargs = pytree.tree_map(_sample, (node.args, node.kwargs))
+        call: Callable = getattr(args[0], target) if kind == "call_method" else target
+        if kind == "call_method":
+            args = args[1:]
+        recorded = _Recorder()
+        try:
+            with fake_mode, recorded:
+                call(*args, **kwargs)
+        except Exception:  # noqa: BLE001: a binding that cannot take these arguments is simply not used
+            continue
+        if recorded.ops == [node.target]:
+            return kind, target
+    return None
+
+
+def _sample(leaf: Any) -> Any:
+    """A fresh stand-in of the same Python type (tensors: same shape, strides, dtype and device), so that checking a
+    binding never changes the graph's metadata, even through an in-place op."""
+    if not isinstance(leaf, fx.Node):
+        return leaf
+    value = leaf.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    kind = _type_of(leaf)
+    return kind(1) if kind in (int, float, bool) else value
+
+
+class _Recorder(TorchDispatchMode):
+    """The ops a call dispatches, less the metadata queries fake tensors make (``prim.device``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[torch._ops.OpOverload] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "prim":
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
