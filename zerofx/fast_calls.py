@@ -95,10 +95,16 @@ def _sample(leaf: Any) -> Any:
     if not isinstance(leaf, fx.Node):
         return leaf
     value = leaf.meta.get("val")
+    if isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_fresh(v) for v in value)
     if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        return _fresh(value)
     kind = _type_of(leaf)
     return kind(1) if kind in (int, float, bool) else value
+
+
+def _fresh(value: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
 
 
 class _Recorder(TorchDispatchMode):
