@@ -131,3 +131,26 @@ def test_a_frozen_parameters_gradient_is_the_users_and_stays():
     for i in range(2):
         step(model, opt, *token_batch(i, 0))
     assert model.ln_f.weight.grad is mine
+
+
+def test_planned_graphs_of_one_step_share_one_arena_and_train_as_unplanned():
+    """A short last batch and an evaluation trace graphs of their own; with ``memory_plan`` they all write into one
+    arena, as large as the largest plan, and the losses are bitwise those without a plan."""
+    runs = []
+    for memory_plan in (False, True):
+        model, opt = gpt_and_adamw()
+        step = zerofx.compile(train_step, memory_plan=memory_plan)
+        losses = [step(model, opt, *token_batch(i, 0, batch=b)).item() for i, b in enumerate([4, 4, 3, 4])]
+        model.eval()
+        losses.append(step(model, opt, *token_batch(4, 0)).item())
+        model.train()
+        losses.append(step(model, opt, *token_batch(5, 0)).item())
+        runs.append((losses, step))
+    (want, _), (got, step) = runs
+    assert got == want
+    graphs = list(step._cache.values())
+    assert len(graphs) == 3
+    planned = [g.ctx.artifacts["memory_plan"].arena_bytes for g in graphs]
+    storages = {slot.untyped_storage().data_ptr() for g in graphs for slot in g.arena()}
+    assert len(storages) == 1
+    assert graphs[0].arena()[0].untyped_storage().nbytes() == max(planned)

@@ -122,6 +122,7 @@ class CompiledStep:
         self.train_step = train_step
         self.config = config
         self._cache: OrderedDict[tuple, runtime.CompiledGraph] = OrderedDict()  # least recently used first
+        self._arena = runtime.SharedArena()  # memory_plan: one arena for every cached graph
         self._traces = 0
         self._binding: StepBinding | None = None
         self._binding_ids: tuple = ()
@@ -270,7 +271,8 @@ class CompiledStep:
                           partition_activations=c.partition_activations, memory_plan=c.memory_plan)
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
                                  probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint,
-                                 specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None)
+                                 specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None,
+                                 arena=self._arena)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True)
         self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import inspect
+import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,30 @@ from zerofx.step_graph import Role, Slot, StepGraph
 from zerofx.units import UnitRule
 
 
+class SharedArena:
+    """The bytes every cached graph of one compiled step writes its planned buffers into (``memory_plan``). Their
+    runs never overlap and no planned buffer outlives a run (what a step returns is never planned), so one buffer as
+    large as the largest plan serves them all: an eval-mode or short-batch trace adds no arena of its own."""
+
+    def __init__(self):
+        self._raw: torch.Tensor | None = None
+        # by graph (an evicted graph's go with it): its slots, views of ``_raw``
+        self._slots: weakref.WeakKeyDictionary[fx.Graph, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+
+    def slots(self, graph: fx.Graph, planned: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``graph``'s slots (like ``planned``, the ``arena`` placeholder's fake views), in the shared bytes; the bytes
+        grow, and every graph's slots are made again, when ``graph`` plans more than they hold."""
+        nbytes, device = planned[0].untyped_storage().nbytes(), planned[0].device
+        if self._raw is None or self._raw.numel() < nbytes or self._raw.device != device:
+            self._slots.clear()
+            self._raw = None  # the old bytes go before the new ones come
+            self._raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if graph not in self._slots:
+            self._slots[graph] = [slot_view(self._raw, s.storage_offset() * s.element_size(), s.dtype, s.shape)
+                                  for s in planned]
+        return self._slots[graph]
+
+
 @dataclass
 class CompiledGraph:
     captured: CapturedStep
@@ -41,17 +66,13 @@ class CompiledGraph:
     reads_incoming_grads: bool = False  # the step accumulates into a .grad it finds set (no zero_grad before)
     snapshots: dict[str, GraphSnapshot] = field(default_factory=dict)  # "capture" and each pass's (keep_graphs)
     verified: bool = False
+    shared_arena: SharedArena = field(default_factory=SharedArena)  # the step's, shared by its cached graphs
     _memory_plan: StepMemoryPlan | None = None
-    _arena: list[torch.Tensor] | None = None
 
     def arena(self) -> list[torch.Tensor]:
-        """The planned buffers (``memory_plan``): views of one buffer allocated on the first step, kept after."""
-        if self._arena is None:
-            planned = next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == "arena")
-            slots = planned.meta["val"]
-            raw = torch.empty(slots[0].untyped_storage().nbytes(), dtype=torch.uint8, device=slots[0].device)
-            self._arena = [slot_view(raw, s.storage_offset() * s.element_size(), s.dtype, s.shape) for s in slots]
-        return self._arena
+        """The planned buffers (``memory_plan``): views of the step's arena, allocated on the first step, kept after."""
+        planned = next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == "arena")
+        return self.shared_arena.slots(self.gm.graph, planned.meta["val"])
 
     def memory_plan(self) -> StepMemoryPlan:
         """The final graph's buffers, their lifetimes and their planned offsets (computed once)."""
@@ -139,11 +160,12 @@ def _structure(graph: fx.Graph) -> tuple:
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
           state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool,
           checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None,
-          keep_graphs: bool = False) -> CompiledGraph:
+          keep_graphs: bool = False, arena: SharedArena | None = None) -> CompiledGraph:
     """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
     learn whether the step reads them; if it reads one that this call does not have, capture again without.
     ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
-    ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build)."""
+    ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
+    ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
     override = state.trace_value if state else None
     captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe_grads),
                        checkpoint, specs)
@@ -171,7 +193,8 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     sg = StepGraph(gm)
     outputs = sg.output_slots()
     left_grads = {s.fqn for s in outputs if s.role == Role.GRAD_OUT}
-    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, left_grads, bool(read), snapshots)
+    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, left_grads, bool(read), snapshots,
+                         shared_arena=arena or SharedArena())
 
 
 def _write_timeline(dump_dir: str, snapshots: dict[str, GraphSnapshot]) -> None:
