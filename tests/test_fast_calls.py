@@ -20,7 +20,13 @@ def _step(x, w, b, s):
     parts = aten.split.Tensor(aten.view.default(out, [-1]), 5)
     flat = aten.cat.default([parts[1], parts[0]])
     s.mul_(scale)  # in place, on an input
-    return aten.mul.Tensor(flat, scale), mean, rstd
+    above = aten.gt.Scalar(h, 0.0)
+    # condition first: above.where(a, b) would mean where(a, above, b), and with bool tensors it would even run
+    picked = aten.where.self(above, aten.lt.Scalar(h, 1.0), above)
+    signed = aten.where.self(above, h, aten.neg.default(h))  # the same overload, other dtypes
+    reshaped = aten.clone.default(s)
+    aten.unsqueeze_.default(reshaped, 0)  # changes its tensor's shape: a check on the graph's own values would too
+    return aten.mul.Tensor(flat, scale), mean, rstd, picked, signed, reshaped
 
 
 def _inputs():
@@ -48,6 +54,7 @@ def test_an_overload_no_binding_reaches_keeps_its_overload():
     rewritten = {n.target for n in fast.graph.nodes if n.op in ("call_method", "call_function")} - left
     assert {"t", "view", "item", "split", "mul"} <= {getattr(t, "__name__", t) for t in rewritten}
     assert aten.mul.Tensor not in left and aten.addmm.default not in left
+    assert "where" not in {n.target for n in fast.graph.nodes if n.op == "call_method"}
 
 
 def test_the_graph_it_was_made_from_is_left_as_it_was():

@@ -134,13 +134,14 @@ def test_a_frozen_parameters_gradient_is_the_users_and_stays():
 
 
 def test_planned_graphs_of_one_step_share_one_arena_and_train_as_unplanned():
-    """A short last batch and an evaluation trace graphs of their own; with ``memory_plan`` they all write into one
-    arena, as large as the largest plan, and the losses are bitwise those without a plan."""
+    """A short batch and an evaluation trace graphs of their own; with ``memory_plan`` they all write into one
+    arena, as large as the largest plan (it grows when a larger one comes, and the smaller graph moves into it), and
+    the losses are bitwise those without a plan."""
     runs = []
     for memory_plan in (False, True):
         model, opt = gpt_and_adamw()
         step = zerofx.compile(train_step, memory_plan=memory_plan)
-        losses = [step(model, opt, *token_batch(i, 0, batch=b)).item() for i, b in enumerate([4, 4, 3, 4])]
+        losses = [step(model, opt, *token_batch(i, 0, batch=b)).item() for i, b in enumerate([3, 4, 4, 3])]
         model.eval()
         losses.append(step(model, opt, *token_batch(4, 0)).item())
         model.train()

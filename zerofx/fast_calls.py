@@ -1,17 +1,22 @@
 """The graph a step runs: the final graph with each ATen call made through torch's own Python binding of that op
-(``x.view(-1)``, ``torch.mm(a, b)``) wherever that binding dispatches to exactly the overload the graph names.
+(``x.view(-1)``, ``torch.mm(a, b)``) wherever that binding dispatches to exactly the overload the graph names, with
+exactly the graph's arguments in their places.
 
 The graph's ``torch.ops.aten.view.default(x, [-1])`` parses its arguments against the op's schema at every call,
 which costs 1-4 µs more than the binding's generated parser: over the thousand-odd calls of a training step that is
-a few percent of a small model's step time on a CPU. Whether a binding reaches the same overload depends only on the
-Python types of the arguments, so each (overload, argument types) is checked once, on fake tensors, by recording what
-the binding dispatches; a binding that dispatches anything else (another overload, a decomposition) is not used. The
-graph kept for dumps, statistics and memory probes is left as it was: only the copy that runs is rewritten.
+a few percent of a small model's step time on a CPU. Each candidate binding is called once per (overload, argument
+kinds: Python types, and dtype and dimensions of tensors) on fresh fake tensors, under a mode that records what it
+dispatches; it is used only if it dispatched that overload alone, with the same tensors in the same order and the
+same other arguments. A method is tried only for an op whose first argument is ``self`` (``where(condition, self,
+other)`` is not ``condition.where(...)``). The graph kept for dumps, statistics and memory probes is left as it was:
+only the copy that runs is rewritten.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+import logging
 
 import torch
 import torch.fx as fx
@@ -48,26 +53,31 @@ def _fake_mode(graph: fx.Graph):
 
 
 def _argument_types(node: fx.Node) -> tuple:
-    """What a binding's overload resolution reads: the structure of the arguments and each leaf's Python type."""
+    """What decides whether a binding fits: the structure of the arguments and each leaf's kind."""
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
-    return str(spec), tuple(_type_of(leaf) for leaf in leaves)
+    return str(spec), tuple(_kind_of(leaf) for leaf in leaves)
 
 
-def _type_of(leaf: Any) -> type:
+def _kind_of(leaf: Any) -> Any:
     value = leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf
     if isinstance(value, torch.Tensor):
-        return torch.Tensor
+        return torch.Tensor, value.dtype, value.dim()
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return type(value), tuple((v.dtype, v.dim()) for v in value)
     return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}.get(type(value), type(value))
 
 
 def _binding_of(node: fx.Node, fake_mode) -> tuple[str, Any] | None:
-    """``("call_method", name)`` or ``("call_function", fn)`` whose call on fake arguments dispatches exactly
-    ``node.target`` and nothing else; None if no binding does."""
-    if fake_mode is None:
+    """``("call_method", name)`` or ``("call_function", fn)`` whose call on stand-ins of ``node``'s arguments
+    dispatches exactly ``node.target`` with those arguments in the same places, and nothing else; None if none does."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    if fake_mode is None or any(isinstance(n, fx.Node) and "val" not in n.meta for n in leaves):
         return None
     name = node.target.overloadpacket.__name__
+    schema = node.target._schema
     candidates: list[tuple[str, Any]] = []
-    if node.args and isinstance(node.args[0], fx.Node) and isinstance(node.args[0].meta.get("val"), torch.Tensor):
+    if schema.arguments and schema.arguments[0].name == "self" and node.args \
+            and isinstance(node.args[0], fx.Node) and isinstance(node.args[0].meta["val"], torch.Tensor):
         method = _METHOD_FOR.get(name, name)
         if hasattr(torch.Tensor, method):
             candidates.append(("call_method", method))
@@ -76,17 +86,32 @@ def _binding_of(node: fx.Node, fake_mode) -> tuple[str, Any] | None:
         with fake_mode:
             args, kwargs = pytree.tree_map(_sample, (node.args, node.kwargs))
         call: Callable = getattr(args[0], target) if kind == "call_method" else target
-        if kind == "call_method":
-            args = args[1:]
         recorded = _Recorder()
         try:
-            with fake_mode, recorded:
-                call(*args, **kwargs)
+            with _quiet_fake_tensors(), fake_mode, recorded:
+                call(*(args[1:] if kind == "call_method" else args), **kwargs)
         except Exception:  # noqa: BLE001: a binding that cannot take these arguments is simply not used
             continue
-        if recorded.ops == [node.target]:
+        if recorded.calls == [(node.target, _same_places(args, kwargs))]:
             return kind, target
     return None
+
+
+def _same_places(args, kwargs) -> list:
+    """The arguments as the dispatcher sees them, flattened: tensors by identity, the rest by value."""
+    return [id(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in pytree.tree_leaves((args, kwargs))]
+
+
+class _quiet_fake_tensors:
+    """Fake tensors log every meta kernel that raises; a binding that does not fit is expected to, quietly."""
+
+    def __enter__(self):
+        self.logger = logging.getLogger("torch._subclasses.fake_tensor")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc):
+        self.logger.setLevel(self.level)
 
 
 def _sample(leaf: Any) -> Any:
@@ -99,7 +124,7 @@ def _sample(leaf: Any) -> Any:
         return type(value)(_fresh(v) for v in value)
     if isinstance(value, torch.Tensor):
         return _fresh(value)
-    kind = _type_of(leaf)
+    kind = _kind_of(leaf)
     return kind(1) if kind in (int, float, bool) else value
 
 
@@ -108,13 +133,15 @@ def _fresh(value: torch.Tensor) -> torch.Tensor:
 
 
 class _Recorder(TorchDispatchMode):
-    """The ops a call dispatches, less the metadata queries fake tensors make (``prim.device``)."""
+    """The ops a call dispatches with their arguments (`_same_places`), less the metadata queries fake tensors make
+    (``prim.device``)."""
 
     def __init__(self):
         super().__init__()
-        self.ops: list[torch._ops.OpOverload] = []
+        self.calls: list[tuple[torch._ops.OpOverload, list]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func.namespace != "prim":
-            self.ops.append(func)
-        return func(*args, **(kwargs or {}))
+            self.calls.append((func, _same_places(args, kwargs)))
+        return func(*args, **kwargs)

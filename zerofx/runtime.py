@@ -62,17 +62,20 @@ class CompiledGraph:
     ctx: PassContext
     input_slots: list[Slot]
     output_slots: list[Slot]
+    shared_arena: SharedArena  # the step's, shared by its cached graphs
     left_grads: set[str] = field(default_factory=set)  # parameters whose .grad the step sets; the others it clears
     reads_incoming_grads: bool = False  # the step accumulates into a .grad it finds set (no zero_grad before)
     snapshots: dict[str, GraphSnapshot] = field(default_factory=dict)  # "capture" and each pass's (keep_graphs)
     verified: bool = False
-    shared_arena: SharedArena = field(default_factory=SharedArena)  # the step's, shared by its cached graphs
     _memory_plan: StepMemoryPlan | None = None
 
     def arena(self) -> list[torch.Tensor]:
         """The planned buffers (``memory_plan``): views of the step's arena, allocated on the first step, kept after."""
-        planned = next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == "arena")
-        return self.shared_arena.slots(self.gm.graph, planned.meta["val"])
+        return self.shared_arena.slots(self.gm.graph, self._planned_slots)
+
+    @functools.cached_property
+    def _planned_slots(self) -> list[torch.Tensor]:
+        return next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == "arena").meta["val"]
 
     def memory_plan(self) -> StepMemoryPlan:
         """The final graph's buffers, their lifetimes and their planned offsets (computed once)."""
@@ -160,7 +163,7 @@ def _structure(graph: fx.Graph) -> tuple:
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
           state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool,
           checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None,
-          keep_graphs: bool = False, arena: SharedArena | None = None) -> CompiledGraph:
+          keep_graphs: bool = False, *, arena: SharedArena) -> CompiledGraph:
     """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
     learn whether the step reads them; if it reads one that this call does not have, capture again without.
     ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
@@ -193,8 +196,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     sg = StepGraph(gm)
     outputs = sg.output_slots()
     left_grads = {s.fqn for s in outputs if s.role == Role.GRAD_OUT}
-    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, left_grads, bool(read), snapshots,
-                         shared_arena=arena or SharedArena())
+    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, bool(read), snapshots)
 
 
 def _write_timeline(dump_dir: str, snapshots: dict[str, GraphSnapshot]) -> None:
