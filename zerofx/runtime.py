@@ -67,6 +67,7 @@ class CompiledGraph:
     reads_incoming_grads: bool = False  # the step accumulates into a .grad it finds set (no zero_grad before)
     snapshots: dict[str, GraphSnapshot] = field(default_factory=dict)  # "capture" and each pass's (keep_graphs)
     verified: bool = False
+    has_run: bool = False
     _memory_plan: StepMemoryPlan | None = None
 
     def arena(self) -> list[torch.Tensor]:
@@ -227,7 +228,10 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
                           override=lookup if needs_lookup else None)
     try:
         with torch.no_grad():
-            outputs = probe.run_step(inputs, roots=inputs) if probe else compiled.runnable(*inputs)
+            # from its second run: rewriting takes a tenth of a build, not worth it for a graph run once
+            graph = compiled.runnable if compiled.has_run else compiled.gm
+            compiled.has_run = True
+            outputs = probe.run_step(inputs, roots=inputs) if probe else graph(*inputs)
     finally:
         collectives.settle_pending()  # a step that issued no collective still checks its rank agreement
     user_leaves = dict(compiled.captured.user_out_constants)
