@@ -14,14 +14,15 @@ only the copy that runs is rewritten.
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import logging
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from zerofx.passes.graph_edit import fake_mode_of
 
 _NAMESPACES = (torch._C._VariableFunctions, torch._C._nn)
 _METHOD_FOR = {"_local_scalar_dense": "item"}  # overloads whose binding has another name
@@ -35,11 +36,14 @@ def fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
     copies: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, copies))
     checked: dict[tuple, tuple[str, Any] | None] = {}
-    fake_mode = _fake_mode(gm.graph)
+    try:
+        fake_mode = fake_mode_of(gm.graph)
+    except ValueError:  # no fake metadata to check bindings on: run the graph as it is
+        return fx.GraphModule(gm, graph)
     for node in copies.values():
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        key = (node.target, _argument_types(node))
+        key = (node.target, _argument_kinds(node))
         if key not in checked:
             checked[key] = _binding_of(node, fake_mode)
         if checked[key] is not None:
@@ -47,12 +51,7 @@ def fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _fake_mode(graph: fx.Graph):
-    return next((n.meta["val"].fake_mode for n in graph.nodes
-                 if isinstance(n.meta.get("val"), torch._subclasses.FakeTensor)), None)
-
-
-def _argument_types(node: fx.Node) -> tuple:
+def _argument_kinds(node: fx.Node) -> tuple:
     """What decides whether a binding fits: the structure of the arguments and each leaf's kind."""
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     return str(spec), tuple(_kind_of(leaf) for leaf in leaves)
@@ -71,7 +70,7 @@ def _binding_of(node: fx.Node, fake_mode) -> tuple[str, Any] | None:
     """``("call_method", name)`` or ``("call_function", fn)`` whose call on stand-ins of ``node``'s arguments
     dispatches exactly ``node.target`` with those arguments in the same places, and nothing else; None if none does."""
     leaves = pytree.tree_leaves((node.args, node.kwargs))
-    if fake_mode is None or any(isinstance(n, fx.Node) and "val" not in n.meta for n in leaves):
+    if any(isinstance(n, fx.Node) and "val" not in n.meta for n in leaves):
         return None
     name = node.target.overloadpacket.__name__
     schema = node.target._schema
