@@ -21,6 +21,11 @@ guarantees. Contents, in pipeline order:
   all-reduce.
 - ``allgather_params``: stages 1-2, gather the updated parameters after the optimizer.
 - ``propagate_shard_shapes``: stages 1-3, shapes on shards; refuses an update that is not elementwise.
+- ``fold_aliases``: drop aliases that compute nothing (``detach``, a transpose of a transpose).
+- ``schedule_collectives``: collectives in flight moved off the step's busiest moments.
+- ``plan_scalar_operands``: ``memory_plan``, numbers fp32 arithmetic takes as tensors become 0-dim tensors the graph
+  keeps (M_D).
+- ``plan_memory``: ``memory_plan``, intermediate buffers become views into one arena planned from lifetimes (M_D).
 
 Shared builders: ``bucketing`` (bucket plans of constant size), ``flat_collectives`` (pack, collective, unpack),
 ``graph_edit`` (adding nodes with metadata, the checkpoints a recompute reads).

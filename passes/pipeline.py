@@ -15,6 +15,7 @@ from zerofx.passes.checkpoint_activations import checkpoint_activations
 from zerofx.passes.offload_checkpoints import offload_checkpoints
 from zerofx.passes.partition_checkpoints import partition_checkpoints
 from zerofx.passes.plan_memory import plan_memory
+from zerofx.passes.plan_scalars import plan_scalar_operands
 from zerofx.passes.recompute_pointwise import recompute_pointwise
 from zerofx.passes.context import PassContext
 from zerofx.passes.fold_aliases import fold_aliases
@@ -35,13 +36,17 @@ _EVERY_STAGE: tuple[Pass, ...] = (remove_profiler_ops, checkpoint_activations, p
                                   offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers)
 
 _STAGES: dict[int, tuple[Pass, ...]] = {
-    0: (*_EVERY_STAGE, bucket_allreduce, fold_aliases, schedule_collectives, plan_memory),
+    0: (*_EVERY_STAGE, bucket_allreduce, fold_aliases, schedule_collectives, plan_scalar_operands,
+        plan_memory),
     1: (*_EVERY_STAGE, shard_optimizer_state, reduce_scatter_grads, global_grad_norm, allgather_params,
-        propagate_shard_shapes, fold_aliases, schedule_collectives, plan_memory),
+        propagate_shard_shapes, fold_aliases, schedule_collectives, plan_scalar_operands,
+        plan_memory),
     2: (*_EVERY_STAGE, shard_optimizer_state, reduce_scatter_grads, global_grad_norm, allgather_params,
-        propagate_shard_shapes, fold_aliases, schedule_collectives, plan_memory),
+        propagate_shard_shapes, fold_aliases, schedule_collectives, plan_scalar_operands,
+        plan_memory),
     3: (*_EVERY_STAGE, shard_optimizer_state, gather_params, cast_params_at_gather, reduce_scatter_grads,
-        global_grad_norm, propagate_shard_shapes, fold_aliases, schedule_collectives, plan_memory),
+        global_grad_norm, propagate_shard_shapes, fold_aliases, schedule_collectives, plan_scalar_operands,
+        plan_memory),
 }
 
 

@@ -28,7 +28,7 @@ def test_pipeline_lists_its_passes():
     names = ["remove_profiler_ops", "checkpoint_activations", "partition_checkpoints", "offload_checkpoints",
              "recompute_pointwise",
              "skip_nonfinite_update", "broadcast_buffers", "bucket_allreduce", "fold_aliases", "schedule_collectives",
-             "plan_memory"]
+             "plan_scalar_operands", "plan_memory"]
     assert [p.__name__ for p in pipeline(0).passes] == names
     for name in names:
         assert name in text
@@ -69,6 +69,45 @@ def test_fold_aliases_drops_detach_and_double_transposes_and_computes_the_same_s
     assert not _calls(folded, torch.ops.aten.detach.default) and not double_transposes(folded)
     assert len(views_of_views(folded)) < views_before
     assert ctx.artifacts["aliases_folded"] > 0
+
+
+def test_plan_scalar_operands_turns_numbers_into_kept_tensors_and_computes_the_same_step():
+    """AdamW's fp32 arithmetic on numbers (constants such as eps, numbers computed from the step count and the
+    hyperparameters) reads 0-dim float32 CPU tensors the graph module keeps: the constants with their values (and
+    named by them in the code), each computed number filled once before its first reader; the step's outputs and the
+    state it updates are bitwise those of the graph as captured."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from zerofx.passes.plan_scalars import plan_scalar_operands
+
+    arithmetic = {torch.ops.aten.add_.Tensor, torch.ops.aten.mul_.Tensor, torch.ops.aten.div.Tensor}
+
+    def number_operands(g):
+        return [n for n in g.graph.nodes if n.target in arithmetic and len(n.args) > 1
+                and not isinstance(getattr(n.args[1], "meta", {}).get("val"), torch.Tensor)]
+
+    gm = _captured()
+    before = number_operands(gm)
+    computed = {n.args[1] for n in before if isinstance(n.args[1], torch.fx.Node)}
+    assert len(before) > len(computed) > 0 and any(not isinstance(n.args[1], torch.fx.Node) for n in before)
+    inputs = [_stand_in(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
+    with unset_fake_temporarily():
+        want_state, got_state = _copies(inputs), _copies(inputs)
+        want = gm(*want_state)
+        assert plan_scalar_operands(gm, PassContext(0, 1, None, 0)) is gm and number_operands(gm)  # off: unchanged
+        planned = plan_scalar_operands(gm, PassContext(0, 1, None, 0, memory_plan=True))
+        got = planned(*got_state)
+    assert not number_operands(planned)
+    for a, b in zip(want_state + list(want), got_state + list(got)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    reads = [n for n in planned.graph.nodes if n.op == "get_attr"]
+    kept = {n.target: getattr(planned, n.target) for n in reads}
+    assert all(t.dim() == 0 and t.dtype == torch.float32 and t.device.type == "cpu" for t in kept.values())
+    assert kept["scalar0_1"].item() == 1.0  # AdamW's step count += 1
+    assert [name for name in kept if name.endswith("_1eneg08")]  # eps, spelled in the code
+    fills = _calls(planned, torch.ops.aten.fill_.Scalar)
+    assert {f.args[1] for f in fills} == computed and len(fills) == len(computed)  # each number filled once
+    assert all(f.args[0].op == "get_attr" for f in fills)
 
 
 def _stand_in(val):

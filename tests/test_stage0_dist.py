@@ -58,7 +58,8 @@ def test_dump_dir_has_one_readable_file_per_pass(ranks2, tmp_path):
     assert files == ["00_capture.py", "01_remove_profiler_ops.py", "02_checkpoint_activations.py",
                      "03_partition_checkpoints.py", "04_offload_checkpoints.py", "05_recompute_pointwise.py",
                      "06_skip_nonfinite_update.py", "07_broadcast_buffers.py", "08_bucket_allreduce.py",
-                     "09_fold_aliases.py", "10_schedule_collectives.py", "11_plan_memory.py",
+                     "09_fold_aliases.py", "10_schedule_collectives.py", "11_plan_scalar_operands.py",
+                     "12_plan_memory.py",
                      "memory.png", "units.txt"]
     text = (tmp_path / "08_bucket_allreduce.py").read_text()
     n = results[0]["allreduces"]

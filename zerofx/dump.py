@@ -10,6 +10,7 @@ import os
 import re
 from collections import Counter
 
+import torch
 import torch.fx as fx
 
 from zerofx import collectives
@@ -51,8 +52,22 @@ def render(gm: fx.GraphModule, title: str) -> str:
     imports += [f"zerofx_collectives_{f.__name__} = zerofx.collectives.{f.__name__}"
                 for f in (*collectives.COLLECTIVES, collectives.wait)]
     body = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    body = re.sub(r"^class \S+\(torch\.nn\.Module\):", "class Step(torch.nn.Module):", body, count=1, flags=re.M)
+    body = re.sub(r"^class \S+\(torch\.nn\.Module\):\n", "class Step(torch.nn.Module):\n" + _constants(gm), body,
+                  count=1, flags=re.M)
     return f"{header}\n\n" + "\n".join(imports) + f"\n\n\n{body}"
+
+
+def _constants(gm: fx.GraphModule) -> str:
+    """``__init__`` making the 0-dim tensors the graph reads as attributes (`plan_scalar_operands`'), so that the
+    module runs as it is; nothing where it reads none."""
+    scalars = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    scalars = {name: value for name, value in scalars.items() if isinstance(value, torch.Tensor) and value.dim() == 0}
+    if not scalars:
+        return ""
+    lines = ["    def __init__(self):", "        super().__init__()"]
+    for name, value in scalars.items():
+        lines.append(f"        self.register_buffer({name!r}, torch.tensor({value.item()!r}, dtype={value.dtype}))")
+    return "\n".join(lines) + "\n\n"
 
 
 def write(dump_dir: str, index: int, name: str, gm: fx.GraphModule) -> str:

@@ -72,7 +72,7 @@ def lifetimes(graph: fx.Graph) -> list[Lifetime]:
             claimed.update((key, category_of(node)) for key in buffers.keys[node] if key is not None)
     out = []
     for node, index, val in defined:
-        placeholder = node.op == "placeholder"
+        placeholder = node.op in ("placeholder", "get_attr")  # the graph module's own tensors exist all along
         start = 0 if placeholder else position[node]
         end = len(nodes) if placeholder else max(last_use.get((node, index), start), start) + 1
         category = claimed.get((node, index), category_of(node))
@@ -87,9 +87,15 @@ class _Buffers:
 
     def __init__(self):
         self.keys: dict[fx.Node, list[tuple[fx.Node, int | None] | None]] = {}
+        self._attrs: dict[str, tuple[fx.Node, None]] = {}  # a module attribute read twice is one buffer
 
     def define(self, node: fx.Node) -> list[tuple[fx.Node, int | None, torch.Tensor]]:
         val = node.meta.get("val")
+        if node.op == "get_attr" and node.target in self._attrs:
+            self.keys[node] = [self._attrs[node.target]]
+            return []
+        if node.op == "get_attr":
+            self._attrs[node.target] = (node, None)
         if isinstance(val, torch.Tensor):
             self.keys[node] = [(node, None)]
             return [(node, None, val)]
@@ -196,9 +202,12 @@ class StepMemoryPlan:
 
 
 def step_device(spans: list[Lifetime]) -> torch.device:
-    """The device most of the step's inputs are on (its parameters and state)."""
-    devices = [s.device for s in spans if s.is_input] or [s.device for s in spans]
-    return max(set(devices), key=devices.count)
+    """The device holding most of the step's input bytes (its parameters and state)."""
+    inputs = [s for s in spans if s.is_input] or spans
+    nbytes: dict[torch.device, int] = {}
+    for s in inputs:
+        nbytes[s.device] = nbytes.get(s.device, 0) + s.nbytes
+    return max(nbytes, key=nbytes.__getitem__)
 
 
 def plan_step(graph: fx.Graph, alignment: int = 64) -> StepMemoryPlan:

@@ -1,0 +1,87 @@
+"""M_D for scalar operands: the numbers fp32 arithmetic takes as tensors become 0-dim tensors kept with the graph.
+
+A Python number passed where an ATen op takes a tensor (``exp_avg_sq.mul_(beta2)``, ``denom / bias_correction``) is
+wrapped into a fresh 0-dim tensor at every call, and cast to the other operand's dtype in a second one: allocations
+for each of an optimizer's scalar operations, hundreds a step. Here the ``other`` operand of fp32 ``add``, ``sub``,
+``mul`` and ``div`` (in place or not), when it is a number, becomes a 0-dim float32 CPU tensor that the graph module
+holds (``self.scalar<i>_<value>``): a constant holds its value from the start, and a number the step computes (a
+bias correction from the step count) is written into its own with ``fill_`` just before it is used. Values are
+bitwise unchanged: both ways the number is rounded to float32 once, and kernels take a 0-dim CPU tensor as they take
+a wrapped number, by value, on CPU and CUDA alike.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from zerofx.passes.context import PassContext
+from zerofx.passes.graph_edit import add_call, fake_mode_of
+from zerofx.step_graph import TAG
+
+aten = torch.ops.aten
+_ARITHMETIC = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.mul.Tensor,
+               aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor}
+_NUMBERS = (int, float, torch.SymInt, torch.SymFloat)
+
+
+def plan_scalar_operands(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Expects: the final graph but for ``plan_memory``, with ``val`` metadata; ``ctx.memory_plan`` (False:
+    unchanged). Guarantees: no fp32 ``add``/``sub``/``mul``/``div`` node takes a number as its ``other`` operand; it
+    reads a ``get_attr`` of a 0-dim float32 CPU tensor instead (one per distinct constant, one per computed number,
+    filled before its first use); the code still shows every constant; values are unchanged."""
+    if not ctx.memory_plan:
+        return gm
+    graph = gm.graph
+    uses = [n for n in graph.nodes if _takes_number(n)]
+    if not uses:
+        return gm
+    names: dict[object, str] = {}  # the attribute holding each constant, or each node's computed number
+    filled: dict[fx.Node, fx.Node] = {}
+    for node in uses:
+        number = node.args[1]
+        computed = isinstance(number, fx.Node)
+        key = number if computed else (type(number), repr(number))  # repr: -0.0 is not 0.0
+        if key not in names:
+            names[key] = f"scalar{len(names)}" + ("" if computed else f"_{_spelled(number)}")
+            with unset_fake_temporarily():
+                gm.register_buffer(names[key], torch.tensor(0.0 if computed else number, dtype=torch.float32))
+        with graph.inserting_before(node):
+            operand = _get_attr(graph, names[key], like=node)
+            if isinstance(number, fx.Node):
+                if number not in filled:
+                    filled[number] = add_call(graph, aten.fill_.Scalar, (operand, number), like=node,
+                                              val=operand.meta["val"])
+                operand = filled[number]
+        node.update_arg(1, operand)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _takes_number(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in _ARITHMETIC or len(node.args) < 2:
+        return False
+    self_, other = node.args[0], node.args[1]
+    number = other.meta.get("val") if isinstance(other, fx.Node) else other
+    val = node.meta.get("val")
+    return (isinstance(self_, fx.Node) and isinstance(self_.meta.get("val"), torch.Tensor)
+            and self_.meta["val"].dtype == torch.float32 and isinstance(val, torch.Tensor)
+            and val.dtype == torch.float32 and isinstance(number, _NUMBERS) and not isinstance(number, bool))
+
+
+def _get_attr(graph: fx.Graph, name: str, *, like: fx.Node) -> fx.Node:
+    node = graph.get_attr(name)
+    with fake_mode_of(graph):
+        node.meta["val"] = torch.empty((), dtype=torch.float32, device="cpu")
+    node.meta[TAG] = like.meta[TAG]
+    return node
+
+
+def _spelled(number: int | float) -> str:
+    """The constant as an identifier can spell it: ``0.999`` as ``0_999``, ``-1e-08`` as ``neg1eneg08``."""
+    text = repr(number).replace("-", "neg").replace("+", "").replace(".", "_")
+    return re.sub(r"[^0-9a-z_]", "_", text)
