@@ -4,7 +4,8 @@ resident high-water mark and step time, on the benchmark GPT (one process, CPU).
     OMP_NUM_THREADS=1 python benchmarks/memory_plan.py [--stages 0 3] [--rounds 5]
 
 Each configuration runs in a process of its own. The resident high-water mark is given twice: the whole process's
-(tracing included), and, on Linux, the timed steps' alone (reset after warm-up through ``/proc/self/clear_refs``).
+(tracing included), and, on Linux, how far it rises during the timed steps above the resident set they start from
+(reset after warm-up through ``/proc/self/clear_refs``).
 Allocator traffic
 is the blocks freed in one step after warm-up (``torch.profiler.profile(profile_memory=True)``); peak bytes are
 `zerofx.LiveStorageTracker`'s over one step, counting the step's state from the start; step time is the median over
@@ -51,7 +52,7 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int) -> di
     frees = sum(1 for e in prof.events() if e.name == "[memory]" and e.cpu_memory_usage < 0)
     with zerofx.LiveStorageTracker(roots=[zerofx.state_dict(step), *batch[2]]) as tracker:  # the step's own state
         step(model, opt, *batch[2])
-    steps_hwm_kib = _reset_resident_high_water()
+    steps_rise_kib = _reset_resident_high_water()
     times = []
     for x, y in batch[3:]:
         start = time.perf_counter()
@@ -59,22 +60,24 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int) -> di
         times.append(time.perf_counter() - start)
     return {"frees": frees, "peak_bytes": tracker.peak_bytes,
             "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "steps_rss_kib": steps_hwm_kib() if steps_hwm_kib else None, "step_ms": statistics.median(times) * 1e3}
+            "steps_rss_kib": steps_rise_kib() if steps_rise_kib else None, "step_ms": statistics.median(times) * 1e3}
 
 
 def _reset_resident_high_water():
-    """Linux: reset the process's resident high-water mark (``clear_refs`` 5), so that what is read after the timed
-    steps is theirs, not the tracing's; a function that reads it (KiB), or None where the system cannot."""
+    """Linux: reset the process's resident high-water mark to its resident set (``clear_refs`` 5); a function that
+    reads how far the mark has risen above that since (KiB), or None where the system cannot."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         return None
+    at_reset = _status_kib("VmRSS")
+    return lambda: _status_kib("VmHWM") - at_reset
 
-    def read() -> int:
-        with open("/proc/self/status") as f:
-            return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
-    return read
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1])
 
 
 def main() -> None:
@@ -100,7 +103,7 @@ def main() -> None:
                 out = json.loads(done.stdout.splitlines()[-1])
                 rows.setdefault((stage, planned), []).append(out)
     print(f"| stage | memory_plan | blocks freed per step | peak live bytes | resident high-water KiB, whole process "
-          f"| the same over the timed steps | step ms (median of {args.rounds} rounds) |")
+          f"| its rise over the timed steps | step ms (median of {args.rounds} rounds) |")
     print("|--:|---|--:|--:|--:|--:|--:|")
     for (stage, planned), runs in rows.items():
         print(f"| {stage} | {'yes' if planned else 'no'} | {statistics.median(r['frees'] for r in runs):.0f} | "

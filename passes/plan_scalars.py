@@ -13,6 +13,7 @@ a wrapped number, by value, on CPU and CUDA alike.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -32,7 +33,8 @@ def plan_scalar_operands(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     """Expects: the final graph but for ``plan_memory``, with ``val`` metadata; ``ctx.memory_plan`` (False:
     unchanged). Guarantees: no fp32 ``add``/``sub``/``mul``/``div`` node takes a number as its ``other`` operand; it
     reads a ``get_attr`` of a 0-dim float32 CPU tensor instead (one per distinct constant, one per computed number,
-    filled before its first use); the code still shows every constant; values are unchanged."""
+    filled before its first use); the code still shows every constant; values are unchanged. Leaves
+    ``ctx.artifacts["scalar_operands"]``: a `ScalarOperands`."""
     if not ctx.memory_plan:
         return gm
     graph = gm.graph
@@ -57,9 +59,18 @@ def plan_scalar_operands(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
                                               val=operand.meta["val"])
                 operand = filled[number]
         node.update_arg(1, operand)
+    ctx.artifacts["scalar_operands"] = ScalarOperands(len(uses), len(names) - len(filled), len(filled))
     graph.lint()
     gm.recompile()
     return gm
+
+
+@dataclass(frozen=True)
+class ScalarOperands:
+    """What `plan_scalar_operands` rewrote: the calls, and the tensors they read (constants, numbers filled)."""
+    calls: int
+    constants: int
+    computed: int
 
 
 def _takes_number(node: fx.Node) -> bool:

@@ -80,7 +80,9 @@ def test_plan_scalar_operands_turns_numbers_into_kept_tensors_and_computes_the_s
 
     from zerofx.passes.plan_scalars import plan_scalar_operands
 
-    arithmetic = {torch.ops.aten.add_.Tensor, torch.ops.aten.mul_.Tensor, torch.ops.aten.div.Tensor}
+    aten = torch.ops.aten
+    arithmetic = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.mul.Tensor,
+                  aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor}
 
     def number_operands(g):
         return [n for n in g.graph.nodes if n.target in arithmetic and len(n.args) > 1
@@ -95,7 +97,8 @@ def test_plan_scalar_operands_turns_numbers_into_kept_tensors_and_computes_the_s
         want_state, got_state = _copies(inputs), _copies(inputs)
         want = gm(*want_state)
         assert plan_scalar_operands(gm, PassContext(0, 1, None, 0)) is gm and number_operands(gm)  # off: unchanged
-        planned = plan_scalar_operands(gm, PassContext(0, 1, None, 0, memory_plan=True))
+        ctx = PassContext(0, 1, None, 0, memory_plan=True)
+        planned = plan_scalar_operands(gm, ctx)
         got = planned(*got_state)
     assert not number_operands(planned)
     for a, b in zip(want_state + list(want), got_state + list(got)):
@@ -108,6 +111,8 @@ def test_plan_scalar_operands_turns_numbers_into_kept_tensors_and_computes_the_s
     fills = _calls(planned, torch.ops.aten.fill_.Scalar)
     assert {f.args[1] for f in fills} == computed and len(fills) == len(computed)  # each number filled once
     assert all(f.args[0].op == "get_attr" for f in fills)
+    rewritten = ctx.artifacts["scalar_operands"]
+    assert (rewritten.calls, rewritten.constants + rewritten.computed) == (len(before), len(kept))
 
 
 def _stand_in(val):

@@ -46,6 +46,10 @@ def report(step, *, print_output: bool = True) -> str:
                  + "), allocated once; left to the allocator: "
                  + ", ".join(f"{reason} {nbytes:,}" for reason, nbytes in sorted(placed.left.items(),
                                                                             key=lambda item: -item[1])))
+    scalars = step._last.ctx.artifacts.get("scalar_operands")
+    if scalars is not None:
+        text += (f"\nscalar operands: {scalars.calls} fp32 calls read numbers from 0-dim tensors the graph keeps "
+                 f"({scalars.constants} constants, {scalars.computed} numbers filled each step), not fresh ones")
     if stats.tp_comm_volume:
         text += f"\ntensor parallelism: {stats.tp_comm_volume:,.0f} elements sent in the tp collectives"
         if stats.activation_comm_volume:
