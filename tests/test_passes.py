@@ -78,6 +78,7 @@ def test_plan_scalar_operands_turns_numbers_into_kept_tensors_and_computes_the_s
     state it updates are bitwise those of the graph as captured."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    from zerofx.dump import render
     from zerofx.passes.plan_scalars import plan_scalar_operands
 
     aten = torch.ops.aten
@@ -113,6 +114,9 @@ def test_plan_scalar_operands_turns_numbers_into_kept_tensors_and_computes_the_s
     assert all(f.args[0].op == "get_attr" for f in fills)
     rewritten = ctx.artifacts["scalar_operands"]
     assert (rewritten.calls, rewritten.constants + rewritten.computed) == (len(before), len(kept))
+    namespace = {}
+    exec(compile(render(planned, "plan_scalar_operands"), "dump.py", "exec"), namespace)  # the dump makes them
+    assert {k: v.item() for k, v in namespace["Step"]().named_buffers()} == {k: v.item() for k, v in kept.items()}
 
 
 def _stand_in(val):
