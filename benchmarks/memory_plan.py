@@ -5,11 +5,9 @@ resident high-water mark and step time, on the benchmark GPT (one process, CPU).
 
 Each configuration runs in a process of its own. The resident high-water mark is given twice: the whole process's
 (tracing included), and, on Linux, how far it rises during the timed steps above the resident set they start from
-(reset after warm-up through ``/proc/self/clear_refs``).
-Allocator traffic
-is the blocks freed in one step after warm-up (``torch.profiler.profile(profile_memory=True)``); peak bytes are
-`zerofx.LiveStorageTracker`'s over one step, counting the step's state from the start; step time is the median over
-interleaved rounds.
+(reset after warm-up through ``/proc/self/clear_refs``). Allocator traffic is the blocks freed in one step after
+warm-up (``torch.profiler.profile(profile_memory=True)``); peak bytes are `zerofx.LiveStorageTracker`'s over one
+step, counting the step's state from the start; step time is the median over interleaved rounds.
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int) -> di
     frees = sum(1 for e in prof.events() if e.name == "[memory]" and e.cpu_memory_usage < 0)
     with zerofx.LiveStorageTracker(roots=[zerofx.state_dict(step), *batch[2]]) as tracker:  # the step's own state
         step(model, opt, *batch[2])
+    whole_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the reset below resets this too
     steps_rise_kib = _reset_resident_high_water()
     times = []
     for x, y in batch[3:]:
@@ -59,7 +58,7 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int) -> di
         step(model, opt, x, y)
         times.append(time.perf_counter() - start)
     return {"frees": frees, "peak_bytes": tracker.peak_bytes,
-            "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "rss_kib": max(whole_kib, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss),
             "steps_rss_kib": steps_rise_kib() if steps_rise_kib else None, "step_ms": statistics.median(times) * 1e3}
 
 

@@ -5,13 +5,14 @@ wrapped into a fresh 0-dim tensor at every call, and cast to the other operand's
 for each of an optimizer's scalar operations, hundreds a step. Here the ``other`` operand of fp32 ``add``, ``sub``,
 ``mul`` and ``div`` (in place or not), when it is a number, becomes a 0-dim float32 CPU tensor that the graph module
 holds (``self.scalar<i>_<value>``): a constant holds its value from the start, and a number the step computes (a
-bias correction from the step count) is written into its own with ``fill_`` just before it is used. Values are
+bias correction from the step count) is written into its own with ``fill_`` just before its first use. Values are
 bitwise unchanged: both ways the number is rounded to float32 once, and kernels take a 0-dim CPU tensor as they take
 a wrapped number, by value, on CPU and CUDA alike.
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 from dataclasses import dataclass
 
@@ -21,20 +22,19 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from zerofx.passes.context import PassContext
 from zerofx.passes.graph_edit import add_call, fake_mode_of
-from zerofx.step_graph import TAG
+from zerofx.step_graph import TAG, NodeTag
 
 aten = torch.ops.aten
 _ARITHMETIC = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.mul.Tensor,
                aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor}
-_NUMBERS = (int, float, torch.SymInt, torch.SymFloat)
 
 
 def plan_scalar_operands(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Expects: the final graph but for ``plan_memory``, with ``val`` metadata; ``ctx.memory_plan`` (False:
-    unchanged). Guarantees: no fp32 ``add``/``sub``/``mul``/``div`` node takes a number as its ``other`` operand; it
-    reads a ``get_attr`` of a 0-dim float32 CPU tensor instead (one per distinct constant, one per computed number,
-    filled before its first use); the code still shows every constant; values are unchanged. Leaves
-    ``ctx.artifacts["scalar_operands"]``: a `ScalarOperands`."""
+    unchanged). Guarantees: no fp32 ``add``/``sub``/``mul``/``div`` node takes a number as its second positional
+    operand; it reads a ``get_attr`` of a 0-dim float32 CPU tensor instead (one per distinct constant, one per
+    computed number, rounded to float32 and filled before its first use); the code still shows every constant; values
+    are unchanged. Leaves ``ctx.artifacts["scalar_operands"]``: a `ScalarOperands`."""
     if not ctx.memory_plan:
         return gm
     graph = gm.graph
@@ -49,15 +49,19 @@ def plan_scalar_operands(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         key = number if computed else (type(number), repr(number))  # repr: -0.0 is not 0.0
         if key not in names:
             names[key] = f"scalar{len(names)}" + ("" if computed else f"_{_spelled(number)}")
-            with unset_fake_temporarily():
-                gm.register_buffer(names[key], torch.tensor(0.0 if computed else number, dtype=torch.float32))
+            with unset_fake_temporarily():  # an int converts to float32 directly, as a wrapped one does
+                value = torch.tensor(0.0 if computed else number).to(torch.float32)
+            gm.register_buffer(names[key], value, persistent=False)  # not state: made again by every trace
         with graph.inserting_before(node):
-            operand = _get_attr(graph, names[key], like=node)
-            if isinstance(number, fx.Node):
-                if number not in filled:
-                    filled[number] = add_call(graph, aten.fill_.Scalar, (operand, number), like=node,
-                                              val=operand.meta["val"])
+            if not computed:
+                operand = _get_attr(graph, names[key], like=node)
+            elif number in filled:
                 operand = filled[number]
+            else:
+                slot = _get_attr(graph, names[key], like=node)
+                rounded = add_call(graph, float32_of, (number,), like=node, val=number.meta["val"])
+                filled[number] = operand = add_call(graph, aten.fill_.Scalar, (slot, rounded), like=node,
+                                                    val=slot.meta["val"])
         node.update_arg(1, operand)
     ctx.artifacts["scalar_operands"] = ScalarOperands(len(uses), len(names) - len(filled), len(filled))
     graph.lint()
@@ -73,22 +77,33 @@ class ScalarOperands:
     computed: int
 
 
+def float32_of(number: int | float) -> int | float:
+    """A computed number as casting it to float32 rounds it: beyond float32's range ±inf (as a wrapped number
+    becomes), where ``fill_`` would raise instead. An int is left to ``fill_``, which converts it directly."""
+    return number if isinstance(number, int) else ctypes.c_float(number).value
+
+
 def _takes_number(node: fx.Node) -> bool:
+    """An fp32 add/sub/mul/div whose second positional operand is a number, or a node computing one."""
     if node.op != "call_function" or node.target not in _ARITHMETIC or len(node.args) < 2:
         return False
     self_, other = node.args[0], node.args[1]
-    number = other.meta.get("val") if isinstance(other, fx.Node) else other
+    if isinstance(other, fx.Node):
+        is_number = isinstance(other.meta.get("val"), (int, float, torch.SymInt, torch.SymFloat))
+    else:
+        is_number = isinstance(other, (int, float))
     val = node.meta.get("val")
-    return (isinstance(self_, fx.Node) and isinstance(self_.meta.get("val"), torch.Tensor)
-            and self_.meta["val"].dtype == torch.float32 and isinstance(val, torch.Tensor)
-            and val.dtype == torch.float32 and isinstance(number, _NUMBERS) and not isinstance(number, bool))
+    return (is_number and not isinstance(other, bool) and isinstance(self_, fx.Node)
+            and isinstance(self_.meta.get("val"), torch.Tensor) and self_.meta["val"].dtype == torch.float32
+            and isinstance(val, torch.Tensor) and val.dtype == torch.float32)
 
 
 def _get_attr(graph: fx.Graph, name: str, *, like: fx.Node) -> fx.Node:
     node = graph.get_attr(name)
     with fake_mode_of(graph):
         node.meta["val"] = torch.empty((), dtype=torch.float32, device="cpu")
-    node.meta[TAG] = like.meta[TAG]
+    source: NodeTag = like.meta[TAG]
+    node.meta[TAG] = NodeTag(source.phase, source.microbatch, [], source.in_optimizer_step)
     return node
 
 

@@ -79,7 +79,7 @@ def test_plan_scalar_operands_turns_numbers_into_kept_tensors_and_computes_the_s
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from zerofx.dump import render
-    from zerofx.passes.plan_scalars import plan_scalar_operands
+    from zerofx.passes.plan_scalars import float32_of, plan_scalar_operands
 
     aten = torch.ops.aten
     arithmetic = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.mul.Tensor,
@@ -110,13 +110,25 @@ def test_plan_scalar_operands_turns_numbers_into_kept_tensors_and_computes_the_s
     assert kept["scalar0_1"].item() == 1.0  # AdamW's step count += 1
     assert [name for name in kept if name.endswith("_1eneg08")]  # eps, spelled in the code
     fills = _calls(planned, torch.ops.aten.fill_.Scalar)
-    assert {f.args[1] for f in fills} == computed and len(fills) == len(computed)  # each number filled once
-    assert all(f.args[0].op == "get_attr" for f in fills)
+    assert all(f.args[0].op == "get_attr" and f.args[1].target is float32_of for f in fills)
+    assert {f.args[1].args[0] for f in fills} == computed and len(fills) == len(computed)  # each filled once
+    assert not [n for n in reads if not n.users]
     rewritten = ctx.artifacts["scalar_operands"]
     assert (rewritten.calls, rewritten.constants + rewritten.computed) == (len(before), len(kept))
     namespace = {}
     exec(compile(render(planned, "plan_scalar_operands"), "dump.py", "exec"), namespace)  # the dump makes them
     assert {k: v.item() for k, v in namespace["Step"]().named_buffers()} == {k: v.item() for k, v in kept.items()}
+
+
+def test_a_computed_number_is_rounded_to_float32_as_a_cast_rounds_it():
+    """Beyond float32's range a wrapped number becomes ±inf (which fp16 loss scaling then skips), where ``fill_``
+    would raise; an int is left for ``fill_`` to convert directly."""
+    from zerofx.passes.plan_scalars import float32_of
+
+    for number in (1e39, -3.5e38, 0.1, 1 / 3, float("inf"), 2.0**-150):
+        slot = torch.zeros(()).fill_(float32_of(number))
+        assert torch.equal(slot, torch.ones(()) * number), number
+    assert float32_of(2**60 + 2**36 + 1) == 2**60 + 2**36 + 1
 
 
 def _stand_in(val):

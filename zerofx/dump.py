@@ -48,9 +48,13 @@ def full_buffer(node: fx.Node) -> tuple[int, object]:
 def render(gm: fx.GraphModule, title: str) -> str:
     """A module that imports: the header as comments, the imports the body names, then ``class Step``."""
     header = "\n".join(f"# {line}" for line in [title, *summary(gm)])
-    imports = ["import torch", "from torch import device", "import zerofx.collectives"]
-    imports += [f"zerofx_collectives_{f.__name__} = zerofx.collectives.{f.__name__}"
-                for f in (*collectives.COLLECTIVES, collectives.wait)]
+    imports = ["import torch", "from math import inf, nan", "from torch import device"]
+    functions = dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "call_function"
+                              and getattr(n.target, "__module__", "").startswith("zerofx."))
+    for module in dict.fromkeys(f.__module__ for f in functions):
+        imports.append(f"import {module}")
+    # the names fx's code gives them: the qualified name, dots as underscores
+    imports += [f"{f.__module__.replace('.', '_')}_{f.__name__} = {f.__module__}.{f.__name__}" for f in functions]
     body = gm.print_readable(print_output=False, include_stride=False, include_device=False)
     body = re.sub(r"^class \S+\(torch\.nn\.Module\):\n", "class Step(torch.nn.Module):\n" + _constants(gm), body,
                   count=1, flags=re.M)
@@ -60,8 +64,9 @@ def render(gm: fx.GraphModule, title: str) -> str:
 def _constants(gm: fx.GraphModule) -> str:
     """``__init__`` making the 0-dim tensors the graph reads as attributes (`plan_scalar_operands`'), so that the
     module runs as it is; nothing where it reads none."""
-    scalars = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    scalars = {name: value for name, value in scalars.items() if isinstance(value, torch.Tensor) and value.dim() == 0}
+    scalars = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr" and "." not in n.target}
+    scalars = {name: value for name, value in scalars.items()
+               if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu"}
     if not scalars:
         return ""
     lines = ["    def __init__(self):", "        super().__init__()"]

@@ -231,7 +231,7 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
             # from its second run: rewriting takes a tenth of a build, not worth it for a graph run once
             graph = compiled.runnable if compiled.has_run else compiled.gm
             compiled.has_run = True
-            outputs = probe.run_step(inputs, roots=inputs) if probe else graph(*inputs)
+            outputs = probe.run_step(inputs, roots=[*inputs, *graph.buffers()]) if probe else graph(*inputs)
     finally:
         collectives.settle_pending()  # a step that issued no collective still checks its rank agreement
     user_leaves = dict(compiled.captured.user_out_constants)

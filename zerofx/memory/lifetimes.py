@@ -94,9 +94,9 @@ class _Buffers:
         if node.op == "get_attr" and node.target in self._attrs:
             self.keys[node] = [self._attrs[node.target]]
             return []
-        if node.op == "get_attr":
-            self._attrs[node.target] = (node, None)
         if isinstance(val, torch.Tensor):
+            if node.op == "get_attr":
+                self._attrs[node.target] = (node, None)
             self.keys[node] = [(node, None)]
             return [(node, None, val)]
         if not isinstance(val, (list, tuple)):

@@ -147,6 +147,8 @@ _PASS_CATEGORY = {"gathered_param": "gathered_params", "comm_buffer": "comm_buff
 
 def category_of(n: fx.Node) -> str:
     t = tag(n)
+    if n.op == "get_attr":
+        return "constants"  # the graph module's own (`plan_scalar_operands`' numbers)
     if n.op == "placeholder" and t is not None and t.slots:
         return _INPUT_CATEGORY.get(t.slots[0].role, "activations")
     if (t is not None and t.has(Role.GRAD)) or n.meta.get("zerofx_category") == "grad":
