@@ -12,11 +12,12 @@ EXAMPLE_GPT = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_emb
 
 
 RUNS = [(0, "fp32", None), (1, "fp32", None), (2, "fp32", None), (3, "fp32", None), (3, "fp32", "blocks"),
-        (1, "bf16", "blocks")]  # stages 0-3 once, checkpointing and bf16 where they change the graph most
+        (1, "bf16", "blocks"), (2, "fp16", None)]  # stages 0-3 once; checkpointing, bf16 and fp16 (loss scaling)
 
 
 def _train(rank, stage, precision, checkpoint, memory_plan, steps=2):
-    mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16) if precision == "bf16" else None
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    mixed = zerofx.MixedPrecision(param_dtype=low) if low else None
     model, opt = gpt_and_adamw(cfg=EXAMPLE_GPT)
     step = zerofx.compile(train_step, stage=stage, mixed_precision=mixed, checkpoint=checkpoint,
                           memory_plan=memory_plan, track_memory=True)

@@ -33,11 +33,11 @@ def test_a_buffer_lives_until_the_last_reader_of_any_view_or_in_place_result():
 
 
 def test_memory_plan_is_bitwise_and_the_lifetimes_predict_the_measured_peak(ranks2):
-    """2 ranks, the example GPT at stages 0-3 (fp32), checkpointed at stage 3 (fp32) and stage 1 (bf16):
-    with ``memory_plan`` every loss, parameter and optimizer state is bitwise that of the step without, and the
-    peak stays within 2% of it. Without it, the step's own buffers plan with no fragmentation (≤ 1%) in the smaller of
-    a joint arena and pools by class (both reported), and the peak the lifetimes predict equals the peak `StepProbe`
-    measures on live storages, byte for byte."""
+    """2 ranks, the example GPT at stages 0-3 (fp32), checkpointed at stage 3 (fp32) and stage 1 (bf16), and at stage
+    2 in fp16 (loss scaling): with ``memory_plan`` every loss, parameter and optimizer state is bitwise that of the
+    step without, and the peak stays within 2% of it. Without it, the step's own buffers plan with no fragmentation
+    (≤ 1%) in the smaller of a joint arena and pools by class (both reported), and the peak the lifetimes predict
+    equals the peak `StepProbe` measures on live storages, byte for byte."""
     for per_run in ranks2.run(cases.planned_is_bitwise_unplanned, timeout=600):
         for name, figures in per_run.items():
             assert figures["buffers"] > 0 and figures["arena"] >= figures["lower_bound"] > 0, name
