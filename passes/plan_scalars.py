@@ -88,12 +88,10 @@ def _takes_number(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target not in _ARITHMETIC or len(node.args) < 2:
         return False
     self_, other = node.args[0], node.args[1]
-    if isinstance(other, fx.Node):
-        is_number = isinstance(other.meta.get("val"), (int, float, torch.SymInt, torch.SymFloat))
-    else:
-        is_number = isinstance(other, (int, float))
+    number = other.meta.get("val") if isinstance(other, fx.Node) else other  # a SymFloat only where computed
+    is_number = isinstance(number, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(number, bool)
     val = node.meta.get("val")
-    return (is_number and not isinstance(other, bool) and isinstance(self_, fx.Node)
+    return (is_number and isinstance(self_, fx.Node)
             and isinstance(self_.meta.get("val"), torch.Tensor) and self_.meta["val"].dtype == torch.float32
             and isinstance(val, torch.Tensor) and val.dtype == torch.float32)
 
