@@ -23,6 +23,7 @@ guarantees. Contents, in pipeline order:
 - ``propagate_shard_shapes``: stages 1-3, shapes on shards; refuses an update that is not elementwise.
 - ``fold_aliases``: drop aliases that compute nothing (``detach``, a transpose of a transpose).
 - ``schedule_collectives``: collectives in flight moved off the step's busiest moments.
+- ``carry_rank_agreement``: stage 0, the per-step rank agreement rides on the first bucket's all-reduce.
 - ``plan_scalar_operands``: ``memory_plan``, numbers fp32 arithmetic takes as tensors become 0-dim tensors the graph
   keeps (M_D).
 - ``plan_memory``: ``memory_plan``, intermediate buffers become views into one arena planned from lifetimes (M_D).
@@ -36,6 +37,7 @@ Shared builders: ``bucketing`` (bucket plans of constant size), ``flat_collectiv
 from zerofx.passes.allgather_params import allgather_params
 from zerofx.passes.broadcast_buffers import broadcast_buffers
 from zerofx.passes.bucket_allreduce import bucket_allreduce
+from zerofx.passes.carry_rank_agreement import carry_rank_agreement
 from zerofx.passes.cast_params_at_gather import cast_params_at_gather
 from zerofx.passes.checkpoint_activations import checkpoint_activations
 from zerofx.passes.context import PassContext
@@ -52,6 +54,6 @@ from zerofx.passes.shard_optimizer_state import shard_optimizer_state
 from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
 
 __all__ = ["PassContext", "Pipeline", "pipeline", "allgather_params", "broadcast_buffers", "bucket_allreduce",
-           "cast_params_at_gather", "checkpoint_activations", "gather_params", "global_grad_norm",
+           "carry_rank_agreement", "cast_params_at_gather", "checkpoint_activations", "gather_params", "global_grad_norm",
            "offload_checkpoints", "partition_checkpoints", "propagate_shard_shapes", "recompute_pointwise",
            "reduce_scatter_grads", "remove_profiler_ops", "shard_optimizer_state", "skip_nonfinite_update"]

@@ -32,4 +32,6 @@ class PassContext:
     tp_sharded: frozenset[str] = frozenset()
     partition_activations: bool = False
     memory_plan: bool = False  # M_D: intermediates written into one arena, reused every step
+    # stage 0: the per-step rank agreement rides on the first bucket (the data-parallel group is every rank)
+    carry_agreement: bool = False
     artifacts: dict[str, Any] = field(default_factory=dict)  # what passes leave for the runtime and reports

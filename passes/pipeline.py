@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from zerofx.passes.broadcast_buffers import broadcast_buffers
 from zerofx.passes.bucket_allreduce import bucket_allreduce
+from zerofx.passes.carry_rank_agreement import carry_rank_agreement
 from zerofx.passes.cast_params_at_gather import cast_params_at_gather
 from zerofx.passes.checkpoint_activations import checkpoint_activations
 from zerofx.passes.offload_checkpoints import offload_checkpoints
@@ -36,8 +37,8 @@ _EVERY_STAGE: tuple[Pass, ...] = (remove_profiler_ops, checkpoint_activations, p
                                   offload_checkpoints, recompute_pointwise, skip_nonfinite_update, broadcast_buffers)
 
 _STAGES: dict[int, tuple[Pass, ...]] = {
-    0: (*_EVERY_STAGE, bucket_allreduce, fold_aliases, schedule_collectives, plan_scalar_operands,
-        plan_memory),
+    0: (*_EVERY_STAGE, bucket_allreduce, fold_aliases, schedule_collectives, carry_rank_agreement,
+        plan_scalar_operands, plan_memory),
     1: (*_EVERY_STAGE, shard_optimizer_state, reduce_scatter_grads, global_grad_norm, allgather_params,
         propagate_shard_shapes, fold_aliases, schedule_collectives, plan_scalar_operands,
         plan_memory),

@@ -79,7 +79,8 @@ def _formula_bytes(stats) -> float:
 
 
 def _records(records):
-    return [(r.kind, r.numel, r.dtype, r.purpose) for r in records if r.purpose != "control"]
+    """Each collective's data, rank agreements apart: the whole step's may ride on its first bucket."""
+    return [(r.kind, r.numel - r.carried, r.dtype, r.purpose) for r in records if r.purpose != "control"]
 
 
 def _gathered_outputs(forward) -> int:

@@ -40,10 +40,13 @@ def allreduce_buckets(rank, world_size, bucket_bytes):
     records = step.stats().collectives
     gm = step.graph()
     graph_allreduces = [n.meta["val"].numel() for n in gm.graph.nodes if n.target is zerofx.collectives.all_reduce]
+    carried = [n.args[4] if len(n.args) > 4 else 0 for n in gm.graph.nodes if n.target is zerofx.collectives.all_reduce]
     return {
         "num_params": step.stats().num_params,
-        "graph_allreduce_numels": graph_allreduces,
-        "record_kinds": [(r.kind, r.numel, r.purpose) for r in records],
+        "graph_allreduce_numels": [n - c for n, c in zip(graph_allreduces, carried)],
+        "carried": carried,
+        "record_kinds": [(r.kind, r.numel - r.carried, r.purpose) for r in records],
+        "record_carried": [r.carried for r in records if r.kind == "all_reduce"],
         "comm_debug_counts": counts,
     }
 
@@ -98,3 +101,44 @@ def rank_dependent_branch(rank, world_size):
     except zerofx.RankMismatchError as e:
         return str(e)
     return None
+
+
+PRECISIONS = {"fp32": None, "bf16": zerofx.MixedPrecision(torch.bfloat16),
+              "fp16": zerofx.MixedPrecision(torch.float16)}
+
+
+def carried_agreement(rank, world_size, last_batch, precision="fp32"):
+    """Steps of one shape carry the rank agreement on their first bucket (no control collective of their own); a
+    step every rank shortens alike goes on; then ``last_batch(rank)`` rows on each rank. In fp32 training matches
+    DDP's; in bf16 and fp16 (buckets in that dtype) it is bitwise that of the same step without the rank check."""
+    ref_model, ref_opt = gpt_and_adamw()
+    mixed = PRECISIONS[precision]
+    ref_step = train_step if mixed is None else zerofx.compile(train_step, mixed_precision=mixed, verify_ranks=False)
+    ref_args = (DDP(ref_model) if mixed is None else ref_model, ref_opt)
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(train_step, mixed_precision=mixed)
+    control, debug_all_gathers, ref_losses, losses = [], [], [], []
+    for i, rows in enumerate([4, 4, 4, 4, 3, 4, 4, 4]):
+        x, y = token_batch(i, rank, batch=rows)
+        ref_losses.append(ref_step(*ref_args, x, y).item())
+        with CommDebugMode() as comm:
+            losses.append(step(model, opt, x, y).item())
+        control.append(sum(r.purpose == "control" and r.kind == "all_gather" for r in step.stats().collectives))
+        debug_all_gathers.append(sum(v for k, v in comm.get_comm_counts().items() if "allgather" in str(k)))
+    rtol = 1e-5 if mixed is None else 0
+    torch.testing.assert_close(losses, ref_losses, rtol=rtol, atol=0)
+    _assert_state_close(model.state_dict(), ref_model.state_dict(), rtol=rtol)
+    x, y = token_batch(9, rank, batch=last_batch(rank))
+    start = time.perf_counter()
+    try:
+        step(model, opt, x, y)
+    except zerofx.RankMismatchError as e:
+        error = str(e)
+    else:
+        error = None
+    elapsed = time.perf_counter() - start
+    flag = torch.ones(1)
+    dist.all_reduce(flag)
+    return {"control": control, "debug_all_gathers": debug_all_gathers, "error": error, "seconds": elapsed,
+            "group_ok": flag.item() == world_size,
+            "carried": "check_carried_agreement" in step.graph().code}

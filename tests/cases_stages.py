@@ -50,6 +50,7 @@ def parity_with_ddp(rank, world_size, stage, steps=10, bucket_bytes=8 * 1024, re
         step(model, opt, *token_batch(steps, rank))
     return {"released_numel": released.numel(), "reduce_scatters": spans_buckets, "losses": losses,
             "records": [(r.kind, r.numel, r.purpose) for r in step.stats().collectives],
+            "carried": [r.carried for r in step.stats().collectives],
             "dispatched": [(r.kind, r.numel, r.group_size) for r in comm.records],
             "comm_volume": step.stats().comm_volume, "num_params": step.stats().num_params,
             "formula_comm": step.stats().formula.evaluate(step.stats().formula.comm, step.stats().num_params,
@@ -111,6 +112,7 @@ def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshar
         "gather_bucket_bytes": [b.nbytes for b in step._last.ctx.artifacts.get("gather_buckets", [])],
         "comm_volume": stats.comm_volume,
         "records": [(r.kind, r.numel, r.purpose) for r in stats.collectives],
+        "carried": [r.carried for r in stats.collectives],
         "dispatched": [(r.kind, r.numel, r.group_size) for r in comm.records],
         "comm_debug_counts": {str(k): v for k, v in comm.get_comm_counts().items()},
         "formula_total": stats.formula.evaluate(stats.formula.model_states, stats.num_params, world_size),

@@ -38,9 +38,11 @@ def test_traffic_is_the_stage_s_by_ring_accounting(tiny):
     def in_psi(name, precision="fp32"):
         return by_name[(name, precision)]["comm_elements"] / (psi * (n - 1) / n)
 
-    for stage in (0, 1, 2):
-        # the paper's 2Ψ and the rank check, one 8-byte value from each rank all-gathered (n elements, n - 1 sent);
-        # nothing is padded, as every parameter of the tiny GPT has an even number of elements
+    # the paper's 2Ψ and the rank check; nothing is padded, as every parameter of the tiny GPT has an even number of
+    # elements. The measured step is each system's third: at stage 0 the check rides on the first bucket, one
+    # element more all-reduced; at stages 1-2 it is one 8-byte value from each rank all-gathered (n - 1 sent)
+    assert by_name[("zerofx-0", "fp32")]["comm_elements"] == 2 * (psi + 1) * (n - 1) / n
+    for stage in (1, 2):
         assert by_name[(f"zerofx-{stage}", "fp32")]["comm_elements"] == 2 * psi * (n - 1) / n + (n - 1)
     for name in ("zerofx-3", "zerofx-3 tuned buckets"):
         # 3Ψ less what backward does not read: the linear layers' biases, 2 x (96 + 32 + 128 + 32), and the position
@@ -58,13 +60,15 @@ def test_model_states_are_what_each_system_keeps(tiny):
     psi, n = run["psi"], run["world_size"]
     state = {key: r["model_state_bytes"] for key, r in by_name.items()}
     counters = 4 * 28  # Adam's step counter, one fp32 scalar per parameter tensor (28 in the tiny GPT)
-    assert state[("zerofx-0", "fp32")] == 16 * psi + counters  # nothing of the batch stays alive between steps
+    # nothing of the batch stays alive between steps; the rank agreement's zero (one fp32 element) rides on the
+    # gradient bucket, which .grad views: the graph's zero and the bucket's element, 4 bytes each
+    assert state[("zerofx-0", "fp32")] == 16 * psi + counters + 2 * 4
     assert state[("DDP", "fp32")] == 20 * psi + counters  # its gradient buckets beside .grad
     # the formula column against the bytes measured: stage 0 leaves its gradients in .grad; stages 1-3 free theirs
     # within the step, so what stays is the formula less its gradient term (4Ψ, then 4Ψ/N_d)
-    for stage, gradients in ((0, 0), (1, 4 * psi), (2, 4 * psi / n), (3, 4 * psi / n)):
+    for stage, gradients, agreement in ((0, 0, 2 * 4), (1, 4 * psi, 0), (2, 4 * psi / n, 0), (3, 4 * psi / n, 0)):
         r = by_name[(f"zerofx-{stage}", "fp32")]
-        assert r["formula_bytes"] - gradients == r["model_state_bytes"] - counters
+        assert r["formula_bytes"] - gradients == r["model_state_bytes"] - counters - agreement
 
 
 def test_the_table_and_chart_are_written(tiny):

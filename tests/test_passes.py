@@ -28,7 +28,7 @@ def test_pipeline_lists_its_passes():
     names = ["remove_profiler_ops", "checkpoint_activations", "partition_checkpoints", "offload_checkpoints",
              "recompute_pointwise",
              "skip_nonfinite_update", "broadcast_buffers", "bucket_allreduce", "fold_aliases", "schedule_collectives",
-             "plan_scalar_operands", "plan_memory"]
+             "carry_rank_agreement", "plan_scalar_operands", "plan_memory"]
     assert [p.__name__ for p in pipeline(0).passes] == names
     for name in names:
         assert name in text
@@ -179,6 +179,51 @@ def test_bucket_allreduce_one_collective_per_bucket_placed_when_the_bucket_is_re
     # buckets follow the order gradients become ready
     ready_order = [max(sg.order[grads[f]] for f in b.names) for b in buckets]
     assert ready_order == sorted(ready_order)
+
+
+def test_carry_rank_agreement_adds_one_checked_element_to_the_first_bucket_only():
+    """The first bucket grows by the flag's zero, which gets a piece of its own that the check reads before any
+    gradient piece is read; the replay lists every all-reduce issued before the check, the first with the flag."""
+    from zerofx import ranks
+    from zerofx.passes.carry_rank_agreement import FLAG, carry_rank_agreement
+
+    ctx = _ctx(bucket_bytes=16 * 1024)
+    ctx.carry_agreement = True
+    gm = _captured()
+    for p in pipeline(0).passes:
+        if p is carry_rank_agreement:
+            break
+        gm = p(gm, ctx)
+    before = [n.meta["val"].numel() for n in gm.graph.nodes if n.target is collectives.all_reduce]
+    gm = carry_rank_agreement(gm, ctx)
+    nodes = list(gm.graph.nodes)
+    reduces = [n for n in nodes if n.target is collectives.all_reduce]
+    assert [n.meta["val"].numel() for n in reduces] == [before[0] + 1, *before[1:]]
+    assert reduces[0].args[4] == 1 and all(len(n.args) == 4 for n in reduces[1:])
+    flat = reduces[0].args[0]
+    assert flat.args[0][-1].op == "get_attr" and flat.args[0][-1].target == FLAG
+    assert getattr(gm, FLAG).tolist() == [0.0]
+    check = next(n for n in nodes if n.target is ranks.check_carried_agreement)
+    piece = check.args[0]
+    split = piece.args[0]
+    assert split.target is torch.ops.aten.split_with_sizes.default and piece.args[1] == len(split.args[1]) - 1
+    assert split.args[1][-1] == 1 and sum(split.args[1]) == before[0] + 1
+    pieces = [u for u in split.users if u is not piece]
+    assert all(nodes.index(check) < nodes.index(r) for p in pieces for r in p.users)
+    replay = ctx.artifacts["carried_agreement"].all_reduces
+    issued_before = [n for n in reduces if nodes.index(n) < nodes.index(check)]
+    assert [(c.numel, c.dtype, c.op, c.group_size) for c in replay] == \
+        [(n.meta["val"].numel(), n.meta["val"].dtype, "avg", 2) for n in issued_before]
+    assert len(replay) == len(before)  # the step's one wait comes after backward: every bucket is issued by then
+
+
+def test_carry_rank_agreement_is_off_unless_asked_and_on_one_rank():
+    from zerofx.passes.carry_rank_agreement import carry_rank_agreement
+
+    for ctx in (_ctx(), PassContext(0, 1, None, 0, carry_agreement=True)):
+        gm = bucket_allreduce(_captured(), ctx)
+        code = gm.code
+        assert carry_rank_agreement(gm, ctx).code == code and "carried_agreement" not in ctx.artifacts
 
 
 def test_bucket_allreduce_is_a_no_op_on_one_rank():

@@ -1,5 +1,7 @@
 """Stage 0 on 2 gloo ranks against DistributedDataParallel."""
 
+import pytest
+
 import cases_stage0 as cases
 from models import gpt_and_adamw
 
@@ -24,6 +26,7 @@ def test_one_allreduce_per_bucket_and_commdebugmode_agrees(ranks2):
     model, _ = gpt_and_adamw()
     largest_param = max(p.numel() for p in model.parameters())
     assert sum(numels) == psi
+    assert result["carried"] == [1] + [0] * (len(numels) - 1)  # the rank agreement's element, on the first bucket
     assert all(n * 4 <= bucket_bytes or n == largest_param for n in numels)
     # Gradients become ready in reverse order of forward use: ln_f, each block from its MLP back to ln1, wte last
     # (its lookup is forward's first use). A bucket holds 4096 fp32 elements, exactly one MLP matrix (128 x 32):
@@ -34,6 +37,7 @@ def test_one_allreduce_per_bucket_and_commdebugmode_agrees(ranks2):
     assert numels == [96, *per_block, 3168, *per_block, 3648, 65 * 32]
     data = [r for r in result["record_kinds"] if r[2] == "data"]
     assert [n for kind, n, _ in data if kind == "all_reduce"] == numels
+    assert result["record_carried"] == result["carried"]  # the records say which element is not data
     control = [r for r in result["record_kinds"] if r[2] == "control"]
     assert control == [("all_gather", 2, "control")]  # the per-step rank check
     counts = result["comm_debug_counts"]
@@ -52,14 +56,43 @@ def test_uneven_batch_raises_on_every_rank_without_hanging(ranks2):
         assert r["group_ok"]
 
 
+def _one_short(rank):
+    return 3 if rank == 1 else 4
+
+
+def _each_its_own(rank):
+    return 3 - rank
+
+
+@pytest.mark.parametrize("last_batch,precision", [(_one_short, "fp32"), (_each_its_own, "fp32"),
+                                                  (_one_short, "bf16"), (_each_its_own, "fp16")])
+def test_steady_steps_carry_the_rank_agreement_and_a_changed_rank_still_raises_everywhere(ranks2, last_batch,
+                                                                                        precision):
+    """From the third step of one shape on, the agreement rides on the first bucket: the step issues no control
+    collective. A step every rank shortens alike trains as DDP does (fp32), as the step without the check does
+    (bf16, fp16); a rank that alone changes, or ranks that change differently, raise on every rank, at once, and
+    the group still works."""
+    results = ranks2.run(cases.carried_agreement, last_batch=last_batch, precision=precision, timeout=120)
+    for r in results:
+        assert r["carried"]
+        # 1: the all-gathers of the step and of the new graph's fingerprint; 2: the step's (no graph has run twice
+        # yet); 3, 4 carried; 5 shortened: every rank replays the first bucket, then the step's all-gather and the
+        # new graph's; 6, 7: the step's all-gather again (6 changed back, 7 follows a change); 8 carried
+        assert r["control"] == [2, 1, 0, 0, 2, 1, 1, 0]
+        assert r["debug_all_gathers"] == r["control"]
+        assert r["error"] is not None and "batch" in r["error"] and "rank 1" in r["error"], r["error"]
+        assert r["seconds"] < 10
+        assert r["group_ok"]
+
+
 def test_dump_dir_has_one_readable_file_per_pass(ranks2, tmp_path):
     results = ranks2.run(cases.dump_files, dump_dir=str(tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00_capture.py", "01_remove_profiler_ops.py", "02_checkpoint_activations.py",
                      "03_partition_checkpoints.py", "04_offload_checkpoints.py", "05_recompute_pointwise.py",
                      "06_skip_nonfinite_update.py", "07_broadcast_buffers.py", "08_bucket_allreduce.py",
-                     "09_fold_aliases.py", "10_schedule_collectives.py", "11_plan_scalar_operands.py",
-                     "12_plan_memory.py",
+                     "09_fold_aliases.py", "10_schedule_collectives.py", "11_carry_rank_agreement.py",
+                     "12_plan_scalar_operands.py", "13_plan_memory.py",
                      "memory.png", "units.txt"]
     text = (tmp_path / "08_bucket_allreduce.py").read_text()
     n = results[0]["allreduces"]

@@ -38,7 +38,9 @@ class Config:
     prefetch: int = 1  # stage 3: all-gathers issued this many buckets ahead of their first use
     reshard_after_forward: bool = True  # stage 3: free gathered parameters after forward, gather again in backward
     dump_dir: str | None = None
-    verify_ranks: bool = True  # one 8-byte all-gather per step: a rank that diverges raises instead of hanging
+    # ranks check every step that they run the same graph (an 8-byte all-gather, or at stage 0 an element riding on
+    # the first bucket): a rank that diverges raises instead of hanging
+    verify_ranks: bool = True
     track_memory: bool = False  # run node by node and measure peak and gradient bytes (slower)
     mixed_precision: MixedPrecision | None = None
     max_traces: int = 8  # graphs kept, one per guard key; beyond it the least recently used is evicted
@@ -131,6 +133,7 @@ class CompiledStep:
         self._owned_parts: dict | None = None
         self._last_key: dict | None = None
         self._last_hash: int | None = None  # key_hash(self._last_key)
+        self._ran_twice = False  # the last step ran the graph of the step before it, on every rank (they agreed)
         self._last: runtime.CompiledGraph | None = None
         self._last_records: list = []
         self._last_probe: StepProbe | None = None
@@ -151,7 +154,7 @@ class CompiledStep:
         """Bind the step to its model, optimizer and an example batch, called as the step is, without training:
         capture the graph and take the sharded state, so that ``zerofx.state_dict(self)`` is the target
         ``torch.distributed.checkpoint.load`` fills before the first step. Every rank calls it."""
-        self._prepare(args)
+        self._prepare(args, carried=False)
         collectives.settle_pending()  # nothing runs: the rank agreement is awaited here
         return self
 
@@ -169,8 +172,9 @@ class CompiledStep:
         return runtime.execute(compiled, binding=self._binding, args=args, state=self._owned,
                                probe=self._last_probe, specs=self._specs, tp_rank=self._dp.tp_rank)
 
-    def _prepare(self, args: tuple) -> runtime.CompiledGraph:
-        """Bind, guard, capture on a new key, take the sharded state on the first call: all but running."""
+    def _prepare(self, args: tuple, carried: bool = True) -> runtime.CompiledGraph:
+        """Bind, guard, capture on a new key, take the sharded state on the first call: all but running. With
+        ``carried`` (a step that runs), the rank agreement may ride on the graph's first collective."""
         binding = self._bind(args)
         taken = set(binding.module_positions) | set(binding.optimizer_positions)
         self._args = tuple(a if i in taken else None for i, a in enumerate(args))  # not the batch: it would live on
@@ -183,13 +187,8 @@ class CompiledStep:
             self._refuse_refreezing(binding)
         several_ranks = dist.is_initialized() and dist.get_world_size() > 1  # tensor-parallel peers included
         if several_ranks and self.config.verify_ranks:
-            settle = ranks.agree(self._last_hash if same else guards.key_hash(key), "the step's inputs",
-                                 lambda: guards.describe_change({}, key) if self._last_key is None
-                                 else f"{guards.describe_change(self._last_key, key) or 'same as its last step'}")
-            if same:
-                collectives.before_next_collective(settle)  # overlaps the step up to its first collective
-            else:
-                settle()
+            self._agree(key, same, carried and self._ran_twice)
+        self._ran_twice = same
         built = False
         if same:
             compiled = self._last
@@ -210,6 +209,28 @@ class CompiledStep:
             self._take_state(binding, args, compiled, key, world_size, rank)
         self._last_key, self._last = key, compiled
         return compiled
+
+    def _agree(self, key: dict, same: bool, ran_twice: bool) -> None:
+        """Ranks agree that they run the same graph (`zerofx.ranks`). Once every rank has run the last graph twice,
+        and that graph carries the agreement on its first collective, an unchanged step issues nothing of its own
+        and a changed one replays that graph's collectives; else an 8-byte all-gather, awaited before the step's
+        first collective when the step is unchanged, at once when it changed."""
+        value, what, last_key = self._last_hash if same else guards.key_hash(key), "the step's inputs", self._last_key
+
+        def describe() -> str:
+            if last_key is None:
+                return guards.describe_change({}, key)
+            return guards.describe_change(last_key, key) or "same as its last step"
+
+        carried = self._last.ctx.artifacts.get("carried_agreement") if ran_twice else None
+        if carried is not None and same:
+            ranks.expect_carried(value, what, describe)
+        elif carried is not None:
+            ranks.replay_carried(carried, value, what, describe)
+        elif same:
+            collectives.before_next_collective(ranks.agree(value, what, describe))  # overlaps the step up to then
+        else:
+            ranks.agree(value, what, describe)()
 
     def _take_state(self, binding, args, compiled, key, world_size, rank) -> None:
         """Own the trainable parameters and their optimizer state: all of them on the first call, a parameter
@@ -268,7 +289,9 @@ class CompiledStep:
                           activation_budget=c.activation_budget, offload_activations=c.offload_activations,
                           recompute_pointwise=c.recompute_pointwise, tp_size=self._dp.tp_size,
                           tp_group_name=self._dp.tp_group_name, tp_sharded=self._specs.split(),
-                          partition_activations=c.partition_activations, memory_plan=c.memory_plan)
+                          partition_activations=c.partition_activations, memory_plan=c.memory_plan,
+                          carry_agreement=c.verify_ranks and dist.is_initialized()
+                          and world_size == dist.get_world_size())
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
                                  probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint,
                                  specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None,

@@ -28,6 +28,7 @@ class CollectiveRecord:
     dtype: torch.dtype
     group_size: int
     purpose: str = "data"  # "data" (parameters, gradients), "scalar" (norms, flags), "buffers" or "control"
+    carried: int = 0  # of numel, the last elements: the rank agreement riding along (control, not ``purpose``)
 
     @property
     def nbytes(self) -> int:
@@ -65,11 +66,12 @@ def recording():
         _recording.records = previous
 
 
-def _record(kind: str, tensor: torch.Tensor, numel: int, group_size: int, purpose: str = "data") -> None:
+def _record(kind: str, tensor: torch.Tensor, numel: int, group_size: int, purpose: str = "data",
+            carried: int = 0) -> None:
     if purpose != "control" and not isinstance(tensor, torch._subclasses.FakeTensor):
         settle_pending()
     if _recording.records is not None and not isinstance(tensor, torch._subclasses.FakeTensor):
-        _recording.records.append(CollectiveRecord(kind, numel, tensor.dtype, group_size, purpose))
+        _recording.records.append(CollectiveRecord(kind, numel, tensor.dtype, group_size, purpose, carried))
 
 
 def group_name(group: dist.ProcessGroup | None = None) -> str:
@@ -77,17 +79,18 @@ def group_name(group: dist.ProcessGroup | None = None) -> str:
     return (group or dist.group.WORLD).group_name
 
 
-def all_reduce(tensor: torch.Tensor, op: str, group: str, group_size: int) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str, group: str, group_size: int, carried: int = 0) -> torch.Tensor:
     """In place and asynchronous: returns ``tensor`` itself; `wait` on it before reading it. ``op="avg"`` divides
     ``tensor`` first, as DDP's default hook does, so the sum over ranks is the mean. On one rank every collective
-    here is the identity.
+    here is the identity. The last ``carried`` elements are not data but the rank agreement riding along
+    (``carry_rank_agreement``); the record says so.
 
     The functional all-reduce would copy its input first (a second copy of a bucket its caller packed already);
     the in-place functional one is not seen by ``CommDebugMode``. So this issues c10d's own all-reduce, which is,
     and registers its work for ``wait_tensor`` as the functional collectives do."""
     if group_size == 1:
         return tensor
-    _record("all_reduce", tensor, tensor.numel(), group_size)
+    _record("all_reduce", tensor, tensor.numel(), group_size, carried=carried)
     reduce_op = _REDUCE_OPS[_average_first(tensor, op, group_size)]
     work = dist.all_reduce(tensor, reduce_op, group=_resolve_process_group(group), async_op=True)
     if not tensor.is_meta:  # a plan's: wait_tensor's meta kernel would leave it registered

@@ -62,16 +62,18 @@ def render(gm: fx.GraphModule, title: str) -> str:
 
 
 def _constants(gm: fx.GraphModule) -> str:
-    """``__init__`` making the 0-dim tensors the graph reads as attributes (`plan_scalar_operands`'), so that the
-    module runs as it is; nothing where it reads none."""
+    """``__init__`` making the one-element tensors the graph reads as attributes (`plan_scalar_operands`'
+    numbers, `carry_rank_agreement`'s flag), so that the module runs as it is; nothing where it reads none."""
     scalars = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr" and "." not in n.target}
     scalars = {name: value for name, value in scalars.items()
-               if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu"}
+               if isinstance(value, torch.Tensor) and value.numel() == 1}
     if not scalars:
         return ""
     lines = ["    def __init__(self):", "        super().__init__()"]
     for name, value in scalars.items():
-        lines.append(f"        self.register_buffer({name!r}, torch.tensor({value.item()!r}, dtype={value.dtype}))")
+        device = "" if value.device.type == "cpu" else f", device={str(value.device)!r}"
+        lines.append(f"        self.register_buffer({name!r}, torch.tensor({value.tolist()!r}, "
+                     f"dtype={value.dtype}{device}))")
     return "\n".join(lines) + "\n\n"
 
 

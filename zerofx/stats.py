@@ -73,10 +73,11 @@ class StepStats:
 
 
 def ring_volume(records: list[CollectiveRecord]) -> float:
+    """Elements each rank sends, by ring accounting, but those carrying the rank agreement beside the data."""
     total = 0.0
     for r in records:
         share = (r.group_size - 1) / r.group_size
-        total += r.numel * share * (2 if r.kind == "all_reduce" else 1)
+        total += (r.numel - r.carried) * share * (2 if r.kind == "all_reduce" else 1)
     return total
 
 
