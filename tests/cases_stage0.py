@@ -57,17 +57,21 @@ def uneven_batch(rank, world_size):
     step = zerofx.compile(train_step)
     x, y = token_batch(0, rank)
     step(model, opt, x, y)
-    x, y = token_batch(1, rank, batch=3 if rank == 1 else 4)
+    return _mismatched_step(step, model, opt, token_batch(1, rank, batch=3 if rank == 1 else 4), world_size)
+
+
+def _mismatched_step(step, model, opt, batch, world_size) -> dict:
+    """The step's error, how long it took to come, and whether the group still works after it."""
     start = time.perf_counter()
     try:
-        step(model, opt, x, y)
+        step(model, opt, *batch)
     except zerofx.RankMismatchError as e:
         error = str(e)
     else:
         error = None
     elapsed = time.perf_counter() - start
     flag = torch.ones(1)
-    dist.all_reduce(flag)  # the group still works after the error
+    dist.all_reduce(flag)
     return {"error": error, "seconds": elapsed, "group_ok": flag.item() == world_size}
 
 
@@ -128,17 +132,6 @@ def carried_agreement(rank, world_size, last_batch, precision="fp32"):
     rtol = 1e-5 if mixed is None else 0
     torch.testing.assert_close(losses, ref_losses, rtol=rtol, atol=0)
     _assert_state_close(model.state_dict(), ref_model.state_dict(), rtol=rtol)
-    x, y = token_batch(9, rank, batch=last_batch(rank))
-    start = time.perf_counter()
-    try:
-        step(model, opt, x, y)
-    except zerofx.RankMismatchError as e:
-        error = str(e)
-    else:
-        error = None
-    elapsed = time.perf_counter() - start
-    flag = torch.ones(1)
-    dist.all_reduce(flag)
-    return {"control": control, "debug_all_gathers": debug_all_gathers, "error": error, "seconds": elapsed,
-            "group_ok": flag.item() == world_size,
-            "carried": "check_carried_agreement" in step.graph().code}
+    return {"control": control, "debug_all_gathers": debug_all_gathers,
+            "carried": "check_carried_agreement" in step.graph().code,
+            **_mismatched_step(step, model, opt, token_batch(9, rank, batch=last_batch(rank)), world_size)}
