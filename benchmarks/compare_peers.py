@@ -109,8 +109,9 @@ model states are 12Ψ/N_d against the formula's 16Ψ/N_d. What remains at the pe
 on this model), is the unit being read and the one prefetched (`prefetch=1`): smaller units (the tuned row) hold less.
 Where zerofx's step time goes (torch.profiler and cProfile on 2 ranks): the graph's ATen kernels and the waits on
 gloo collectives; zerofx's own Python around the graph is under 1 ms per step. The ranks' agreement on the guard
-key (`verify_ranks=True`) is an 8-byte all-gather issued as the step begins and awaited just before its first
-collective.
+key (`verify_ranks=True`) rides at stage 0 on the first gradient bucket as one more element once a rank has run
+the same graph twice (`carry_rank_agreement`, so CommDebugMode counts one all-reduce where DDP issues two); at
+stages 1-3 it is an 8-byte all-gather issued as the step begins and awaited just before its first collective.
 """
 
 

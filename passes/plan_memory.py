@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 
 from zerofx.memory.lifetimes import Lifetime, lifetimes, live_bytes, step_device
 from zerofx.memory.pools import place, slot_view
@@ -161,7 +162,10 @@ def _arena_placeholder(graph: fx.Graph, nbytes: int, device: torch.device,
     last_placeholder = [p for p in graph.nodes if p.op == "placeholder"][-1]
     with graph.inserting_after(last_placeholder):
         arena = graph.placeholder("arena")
-    with fake_mode_of(graph):
+    mode = fake_mode_of(graph)
+    # three view ops a slot, each with new arguments: torch's fake-op cache (one for the whole process) would keep
+    # an entry for each as long as the process lives, a megabyte or more a plan
+    with mode, disable_fake_tensor_cache(mode):
         raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         views = [slot_view(raw, offset, val.dtype, val.shape) for val, offset in slots]
     arena.meta.update(val=views, **{TAG: NodeTag(Phase.FORWARD, 0, [Slot(Role.ARENA)])})

@@ -131,6 +131,21 @@ def test_a_computed_number_is_rounded_to_float32_as_a_cast_rounds_it():
     assert float32_of(2**60 + 2**36 + 1) == 2**60 + 2**36 + 1
 
 
+def test_plan_memory_leaves_nothing_in_torchs_fake_op_cache():
+    """The arena's slots are fake views made once per plan: torch's fake-op cache, which lives as long as the
+    process, gains no entry for them (it kept three a slot, a megabyte or more a plan)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerofx.passes.plan_memory import plan_memory
+
+    gm = _captured()
+    before = len(FakeTensorMode.cache)
+    ctx = PassContext(0, 1, None, 0, memory_plan=True)
+    plan_memory(gm, ctx)
+    assert ctx.artifacts["memory_plan"].buffers > 50
+    assert len(FakeTensorMode.cache) == before
+
+
 def _stand_in(val):
     """A real value for a placeholder: uniform floats, zero integers, 0.01 for a scalar hyperparameter."""
     if isinstance(val, torch.SymFloat):

@@ -48,6 +48,8 @@ def fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
             checked[key] = _binding_of(node, fake_mode)
         if checked[key] is not None:
             node.op, node.target = checked[key]
+    for node in copies.values():
+        node.meta = {}  # read by the checks only; the copy that runs would keep a second dict a node for nothing
     return fx.GraphModule(gm, graph)
 
 
