@@ -110,7 +110,7 @@ on this model), is the unit being read and the one prefetched (`prefetch=1`): sm
 Where zerofx's step time goes (torch.profiler and cProfile on 2 ranks): the graph's ATen kernels and the waits on
 gloo collectives; zerofx's own Python around the graph is under 1 ms per step. The ranks' agreement on the guard
 key (`verify_ranks=True`) rides at stage 0 on the first gradient bucket as one more element once a rank has run
-the same graph twice (`carry_rank_agreement`, so CommDebugMode counts one all-reduce where DDP issues two); at
+the same graph twice (`carry_rank_agreement`: CommDebugMode counts no collective of its own for it there); at
 stages 1-3 it is an 8-byte all-gather issued as the step begins and awaited just before its first collective.
 """
 
