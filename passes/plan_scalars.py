@@ -32,38 +32,28 @@ _ARITHMETIC = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Ten
 def plan_scalar_operands(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Expects: the final graph but for ``plan_memory``, with ``val`` metadata; ``ctx.memory_plan`` (False:
     unchanged). Guarantees: no fp32 ``add``/``sub``/``mul``/``div`` node takes a number as its second positional
-    operand; it reads a ``get_attr`` of a 0-dim float32 CPU tensor instead (one per distinct constant, one per
-    computed number, rounded to float32 and filled before its first use); the code still shows every constant; values
-    are unchanged. Leaves ``ctx.artifacts["scalar_operands"]``: a `ScalarOperands`."""
+    operand; it reads a 0-dim float32 CPU tensor the module keeps instead, one per distinct constant (read once,
+    before its first use) and one per computed number (rounded to float32 and filled before its first use); the code
+    names every constant by its value; values are unchanged. Leaves ``ctx.artifacts["scalar_operands"]``: a
+    `ScalarOperands`."""
     if not ctx.memory_plan:
         return gm
     graph = gm.graph
     uses = [n for n in graph.nodes if _takes_number(n)]
     if not uses:
         return gm
-    names: dict[object, str] = {}  # the attribute holding each constant, or each node's computed number
-    filled: dict[fx.Node, fx.Node] = {}
+    # what each use reads, by constant (its value) or computed number (its node): read or filled before the first use
+    operands: dict[object, fx.Node] = {}
+    computed = 0
     for node in uses:
         number = node.args[1]
-        computed = isinstance(number, fx.Node)
-        key = number if computed else (type(number), repr(number))  # repr: -0.0 is not 0.0
-        if key not in names:
-            names[key] = f"scalar{len(names)}" + ("" if computed else f"_{_spelled(number)}")
-            with unset_fake_temporarily():  # an int converts to float32 directly, as a wrapped one does
-                value = torch.tensor(0.0 if computed else number).to(torch.float32)
-            gm.register_buffer(names[key], value, persistent=False)  # not state: made again by every trace
-        with graph.inserting_before(node):
-            if not computed:
-                operand = _get_attr(graph, names[key], like=node)
-            elif number in filled:
-                operand = filled[number]
-            else:
-                slot = _get_attr(graph, names[key], like=node)
-                rounded = add_call(graph, float32_of, (number,), like=node, val=number.meta["val"])
-                filled[number] = operand = add_call(graph, aten.fill_.Scalar, (slot, rounded), like=node,
-                                                    val=slot.meta["val"])
-        node.update_arg(1, operand)
-    ctx.artifacts["scalar_operands"] = ScalarOperands(len(uses), len(names) - len(filled), len(filled))
+        key = number if isinstance(number, fx.Node) else (type(number), repr(number))  # repr: -0.0 is not 0.0
+        if key not in operands:
+            with graph.inserting_before(node):
+                operands[key] = _operand(gm, f"scalar{len(operands)}", number, like=node)
+            computed += isinstance(number, fx.Node)
+        node.update_arg(1, operands[key])
+    ctx.artifacts["scalar_operands"] = ScalarOperands(len(uses), len(operands) - computed, computed)
     graph.lint()
     gm.recompile()
     return gm
@@ -94,6 +84,21 @@ def _takes_number(node: fx.Node) -> bool:
     return (is_number and isinstance(self_, fx.Node)
             and isinstance(self_.meta.get("val"), torch.Tensor) and self_.meta["val"].dtype == torch.float32
             and isinstance(val, torch.Tensor) and val.dtype == torch.float32)
+
+
+def _operand(gm: fx.GraphModule, name: str, number, *, like: fx.Node) -> fx.Node:
+    """A 0-dim float32 tensor kept as ``gm``'s buffer, read where the graph inserts: holding the constant ``number``
+    (named by its value), or filled with the number the node ``number`` computes."""
+    computed = isinstance(number, fx.Node)
+    name += "" if computed else f"_{_spelled(number)}"
+    with unset_fake_temporarily():  # an int converts to float32 directly, as a wrapped one does
+        value = torch.tensor(0.0 if computed else number).to(torch.float32)
+    gm.register_buffer(name, value, persistent=False)  # not state: made again by every trace
+    read = _get_attr(gm.graph, name, like=like)
+    if not computed:
+        return read
+    rounded = add_call(gm.graph, float32_of, (number,), like=like, val=number.meta["val"])
+    return add_call(gm.graph, aten.fill_.Scalar, (read, rounded), like=like, val=read.meta["val"])
 
 
 def _get_attr(graph: fx.Graph, name: str, *, like: fx.Node) -> fx.Node:

@@ -74,8 +74,8 @@ def test_fold_aliases_drops_detach_and_double_transposes_and_computes_the_same_s
 def test_plan_scalar_operands_turns_numbers_into_kept_tensors_and_computes_the_same_step():
     """AdamW's fp32 arithmetic on numbers (constants such as eps, numbers computed from the step count and the
     hyperparameters) reads 0-dim float32 CPU tensors the graph module keeps: the constants with their values (and
-    named by them in the code), each computed number filled once before its first reader; the step's outputs and the
-    state it updates are bitwise those of the graph as captured."""
+    named by them in the code), each read once, each computed number filled once before its first reader; the
+    step's outputs and the state it updates are bitwise those of the graph as captured."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from zerofx.dump import render
@@ -106,6 +106,7 @@ def test_plan_scalar_operands_turns_numbers_into_kept_tensors_and_computes_the_s
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     reads = [n for n in planned.graph.nodes if n.op == "get_attr"]
     kept = {n.target: getattr(planned, n.target) for n in reads}
+    assert len(reads) == len(kept)  # each kept tensor read once, whatever the number of its uses
     assert all(t.dim() == 0 and t.dtype == torch.float32 and t.device.type == "cpu" for t in kept.values())
     assert kept["scalar0_1"].item() == 1.0  # AdamW's step count += 1
     assert [name for name in kept if name.endswith("_1eneg08")]  # eps, spelled in the code
