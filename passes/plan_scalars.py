@@ -44,15 +44,14 @@ def plan_scalar_operands(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         return gm
     # what each use reads, by constant (its value) or computed number (its node): read or filled before the first use
     operands: dict[object, fx.Node] = {}
-    computed = 0
     for node in uses:
         number = node.args[1]
         key = number if isinstance(number, fx.Node) else (type(number), repr(number))  # repr: -0.0 is not 0.0
         if key not in operands:
             with graph.inserting_before(node):
                 operands[key] = _operand(gm, f"scalar{len(operands)}", number, like=node)
-            computed += isinstance(number, fx.Node)
         node.update_arg(1, operands[key])
+    computed = sum(isinstance(key, fx.Node) for key in operands)
     ctx.artifacts["scalar_operands"] = ScalarOperands(len(uses), len(operands) - computed, computed)
     graph.lint()
     gm.recompile()
