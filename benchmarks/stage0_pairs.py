@@ -1,27 +1,32 @@
-"""zerofx stage 0 beside DDP, step by step: the benchmark GPT, gloo ranks on CPU, steps interleaved one at a time.
+"""zerofx stage 0 beside DDP, step by step: the benchmark GPT, gloo ranks on CPU, each system in its own processes.
 
-    .venv/bin/python benchmarks/compare_peers.py ...      # the whole table, systems interleaved by rounds
+    .venv/bin/python benchmarks/compare_peers.py ...      # the whole table, all systems in one process per rank
     .venv/bin/python benchmarks/stage0_pairs.py --world 2 --variant "" --variant "recompute_pointwise=False"
 
-Every rank builds DDP and one zerofx-0 step per ``--variant`` (keyword arguments of ``zerofx.compile``; "" is the
-defaults) over the same model and data, then runs them in turn on each batch, one step each, so that a drift of the
-machine's speed reaches all of them alike. Printed per system: the median step time (the slowest rank's), the median
-of the per-batch ratios to DDP's step, the median and range over rounds of the ratio of round medians (what
-``compare_peers.py`` reports), and the page faults per step on rank 0 (first touches of memory the process got back
-from the system: on this machine's virtual CPU each costs microseconds).
+Each system (DDP, and one zerofx-0 step per ``--variant``: keyword arguments of ``zerofx.compile``, "" for the
+defaults) runs in a world of ``--world`` processes of its own, as its users run it, so that no system allocates from
+a heap another one left behind. The worlds take turns, one step at a time on the same batch, in an order that rotates
+every round, while the others wait idle; a drift of the machine's speed thus reaches all of them alike. Printed per
+system: the median step time (the slowest rank's), the median of the per-batch ratios to DDP's step, the median and
+range over rounds of the ratio of round medians (what ``compare_peers.py`` reports), and the page faults per step on
+rank 0 (first touches of memory the process got back from the system: on this machine's virtual CPU each costs
+microseconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
+import queue
 import resource
 import socket
 import statistics
 import sys
 import time
+from multiprocessing import connection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -36,52 +41,103 @@ from peers import systems  # noqa: E402
 from peers.run import _batches  # noqa: E402
 
 WARMUP = 3
+DDP = "DDP"
 
 
 def _options(variant: str) -> dict:
     return eval(f"dict({variant})", {"torch": torch})  # noqa: S307: the command line of whoever runs it
 
 
-def worker(rank: int, args, port: int, text: str, results) -> None:
+def _build(name: str, cfg: GPTConfig):
+    if name == DDP:
+        return systems.ddp_system(cfg)
+    variant = name.removeprefix("zerofx-0 ")
+    return systems.zerofx_system(cfg, 0, False, **_options("" if variant == "defaults" else variant))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(name: str, rank: int, world: int, port: int, text: str, commands, done) -> None:
+    """One rank of one system's world: warm up, then run one timed step per batch index received, until None."""
+    faulthandler.enable()  # a rank that crashes says where
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group(zerofx.collectives.gloo_one_worker(), rank=rank, world_size=args.world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(zerofx.collectives.gloo_one_worker(), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
     cfg = GPTConfig(vocab_size=len(set(text)), block_size=64, n_layer=4, n_head=4, n_embd=128)
     batch = _batches(cfg, 8, rank, text)
-    steps = {"DDP": systems.ddp_system(cfg).step}
-    for variant in args.variant:
-        steps[f"zerofx-0 {variant or 'defaults'}"] = systems.zerofx_system(cfg, 0, False, **_options(variant)).step
-    names = list(steps)
-    index = 0
-    for name in names:
-        for _ in range(WARMUP):
-            steps[name](*batch(index)).item()
-            index += 1
-    seconds = {name: [] for name in names}
-    faults = dict.fromkeys(names, 0)
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for _ in range(args.steps):
-            x, y = batch(index)
-            index += 1
-            for name in order:
-                dist.barrier()
-                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                start = time.perf_counter()
-                steps[name](x, y).item()
-                seconds[name].append(time.perf_counter() - start)
-                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    slowest = torch.tensor([seconds[name] for name in names], dtype=torch.float64)
+    system = _build(name, cfg)
+    for index in range(WARMUP):
+        system.step(*batch(index)).item()
+    done.put((rank, None))
+    seconds, faults = [], 0
+    while (index := commands.get()) is not None:
+        x, y = batch(WARMUP + index)
+        dist.barrier()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.perf_counter()
+        system.step(x, y).item()
+        seconds.append(time.perf_counter() - start)
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        done.put((rank, None))
+    slowest = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        results.put({name: (slowest[i].tolist(), faults[name] / len(seconds[name])) for i, name in enumerate(names)})
-    dist.barrier()
+    done.put((rank, (slowest.tolist(), faults / len(seconds)) if rank == 0 else None))
     dist.destroy_process_group()
 
 
+class World:
+    """The processes of one system, and the queues through which they are told to step."""
+
+    def __init__(self, ctx, name: str, size: int, text: str):
+        port = _free_port()
+        self.name = name
+        self.done = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(size)]
+        self.procs = [ctx.Process(target=worker, args=(name, r, size, port, text, self.commands[r], self.done), daemon=True)
+                      for r in range(size)]
+        for p in self.procs:
+            p.start()
+
+    def wait(self) -> list:
+        """One message from every rank; a rank that ended without sending it stops the benchmark instead of leaving
+        it waiting (a process's sentinel, unlike its exit code, says it has ended even once something else reaped
+        it; what it sent before ending is read first)."""
+        got: dict[int, object] = {}
+        missing_after_end = set()
+        while len(got) < len(self.procs):
+            try:
+                rank, message = self.done.get(timeout=5)
+                got[rank] = message
+            except queue.Empty:
+                ended = {r for r, p in enumerate(self.procs) if r not in got and connection.wait([p.sentinel], 0)}
+                if ended & missing_after_end:
+                    raise RuntimeError(f"{self.name}: rank {min(ended & missing_after_end)} ended during the benchmark")
+                missing_after_end = ended
+        return [got[r] for r in range(len(self.procs))]
+
+    def step(self, index: int) -> None:
+        for q in self.commands:
+            q.put(index)
+        self.wait()
+
+    def finish(self) -> tuple[list[float], float]:
+        for q in self.commands:
+            q.put(None)
+        measured = self.wait()[0]
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()  # a rank stuck leaving the process group has already delivered its figures
+        return measured
+
+
 def report(measured: dict, rounds: int, steps: int) -> None:
-    ddp = measured["DDP"][0]
+    ddp = measured[DDP][0]
     print(f"{'system':52s} {'step ms':>8s} {'paired':>7s} {'rounds':>18s} {'faults':>8s}")
     for name, (times, faults) in measured.items():
         paired = statistics.median(a / b for a, b in zip(times, ddp))
@@ -98,22 +154,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="batches per round")
     parser.add_argument("--variant", action="append", help='zerofx.compile keywords, e.g. "memory_plan=True"')
     args = parser.parse_args()
-    args.variant = args.variant or [""]
+    names = [DDP] + [f"zerofx-0 {v or 'defaults'}" for v in args.variant or [""]]
     text = open(os.path.join(ROOT, "examples", "data", "zero.txt")).read()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, port, text, results)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    measured = results.get(timeout=3600)
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()  # a rank stuck leaving the process group has already delivered its figures
-    print(f"{args.world} ranks, {args.rounds} rounds of {args.steps} batches, one thread per rank")
+    worlds = {name: World(ctx, name, args.world, text) for name in names}
+    for w in worlds.values():
+        w.wait()
+    index = 0
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for _ in range(args.steps):
+            for name in order:
+                worlds[name].step(index)
+            index += 1
+    measured = {name: w.finish() for name, w in worlds.items()}
+    print(f"{args.world} ranks per system, {args.rounds} rounds of {args.steps} batches, one thread per rank")
     report(measured, args.rounds, args.steps)
 
 
