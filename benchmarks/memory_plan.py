@@ -1,11 +1,13 @@
 """``memory_plan=True`` against the same step without it: allocator traffic per step, peak live bytes, the process's
 resident high-water mark and step time, on the benchmark GPT (one process, CPU).
 
-    OMP_NUM_THREADS=1 python benchmarks/memory_plan.py [--stages 0 3] [--rounds 5]
+    OMP_NUM_THREADS=1 python benchmarks/memory_plan.py [--stages 0 3] [--rounds 5] [--size large --steps 4]
 
-Each configuration runs in a process of its own. The resident high-water mark is given twice: the whole process's
-(tracing included), and, on Linux, how far it rises during the timed steps above the resident set they start from
-(reset after warm-up through ``/proc/self/clear_refs``). Allocator traffic is the blocks freed in one step after
+Each configuration runs in a process of its own, which first traces and times the steps alone, as a user's process
+runs them. The resident high-water mark is read then, twice: the whole process's (tracing included), and, on Linux,
+how far it rises during the timed steps above the resident set they start from (reset after warm-up through
+``/proc/self/clear_refs``). Only after that does the process measure with the profiler and the tracker. Allocator
+traffic is the blocks freed in one step after
 warm-up (``torch.profiler.profile(profile_memory=True)``); peak bytes are `zerofx.LiveStorageTracker`'s over one
 step, counting the step's state from the start; step time is the median over interleaved rounds.
 """
@@ -24,7 +26,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def measure(stage: int, planned: bool, checkpoint: str | None, steps: int) -> dict:
+# (batch, sequence, width): the benchmark GPT as the other benchmarks run it, and one whose step allocates far more
+# than tracing leaves free on the heap (with a small step, the allocator serves it from what tracing freed)
+SIZES = {"small": (8, 64, 128), "large": (32, 256, 256)}
+
+
+def measure(stage: int, planned: bool, checkpoint: str | None, steps: int, size: str) -> dict:
     import torch
 
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
@@ -33,23 +40,20 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int) -> di
     from nanogpt import GPT, GPTConfig, param_groups
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    batch_size, sequence, width = SIZES[size]
+    cfg = GPTConfig(vocab_size=65, block_size=sequence, n_layer=4, n_head=4, n_embd=width)
     model = GPT(cfg)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
 
     step = zerofx.compile(train_step, stage=stage, memory_plan=planned, checkpoint=checkpoint)
     g = torch.Generator().manual_seed(0)
-    batch = [(torch.randint(0, 65, (8, 64), generator=g), torch.randint(0, 65, (8, 64), generator=g))
+    shape = (batch_size, sequence)
+    batch = [(torch.randint(0, 65, shape, generator=g), torch.randint(0, 65, shape, generator=g))
              for _ in range(steps + 3)]
     for x, y in batch[:2]:
         step(model, opt, x, y)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(model, opt, *batch[2])
-    # the profiler reports every block a step frees with its size, but not every allocation: a step in its steady
-    # state frees what it allocates, so frees count the allocator's traffic
-    frees = sum(1 for e in prof.events() if e.name == "[memory]" and e.cpu_memory_usage < 0)
-    with zerofx.LiveStorageTracker(roots=[zerofx.state_dict(step), *batch[2]]) as tracker:  # the step's own state
-        step(model, opt, *batch[2])
+    # the resident figures and times first, from a process that has run nothing but the steps, as a user's has:
+    # the profiler and the tracker below allocate on the same heap and would shape it
     whole_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the reset below resets this too
     steps_rise_kib = _reset_resident_high_water()
     times = []
@@ -57,9 +61,17 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int) -> di
         start = time.perf_counter()
         step(model, opt, x, y)
         times.append(time.perf_counter() - start)
-    return {"frees": frees, "peak_bytes": tracker.peak_bytes,
-            "rss_kib": max(whole_kib, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss),
-            "steps_rss_kib": steps_rise_kib() if steps_rise_kib else None, "step_ms": statistics.median(times) * 1e3}
+    rss_kib = max(whole_kib, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    steps_rss_kib = steps_rise_kib() if steps_rise_kib else None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, opt, *batch[2])
+    # the profiler reports every block a step frees with its size, but not every allocation: a step in its steady
+    # state frees what it allocates, so frees count the allocator's traffic
+    frees = sum(1 for e in prof.events() if e.name == "[memory]" and e.cpu_memory_usage < 0)
+    with zerofx.LiveStorageTracker(roots=[zerofx.state_dict(step), *batch[2]]) as tracker:  # the step's own state
+        step(model, opt, *batch[2])
+    return {"frees": frees, "peak_bytes": tracker.peak_bytes, "rss_kib": rss_kib, "steps_rss_kib": steps_rss_kib,
+            "step_ms": statistics.median(times) * 1e3}
 
 
 def _reset_resident_high_water():
@@ -84,18 +96,20 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="*", default=[0, 3])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one configuration, print its figures as JSON
     args = parser.parse_args()
     if args.one:
         stage, planned = json.loads(args.one)
-        print(json.dumps(measure(stage, planned, args.checkpoint, args.steps)))
+        print(json.dumps(measure(stage, planned, args.checkpoint, args.steps, args.size)))
         return
     rows = {}
     for _ in range(args.rounds):
         for stage in args.stages:
             for planned in (False, True):
-                cmd = [sys.executable, __file__, "--one", json.dumps([stage, planned]), "--steps", str(args.steps)]
+                cmd = [sys.executable, __file__, "--one", json.dumps([stage, planned]), "--steps", str(args.steps),
+                       "--size", args.size]
                 if args.checkpoint:
                     cmd += ["--checkpoint", args.checkpoint]
                 done = subprocess.run(cmd, check=True, capture_output=True, text=True)
