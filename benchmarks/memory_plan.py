@@ -7,9 +7,9 @@ Each configuration runs in a process of its own, which first traces and times th
 runs them. The resident high-water mark is read then, twice: the whole process's (tracing included), and, on Linux,
 how far it rises during the timed steps above the resident set they start from (reset after warm-up through
 ``/proc/self/clear_refs``). Only after that does the process measure with the profiler and the tracker. Allocator
-traffic is the blocks freed in one step after
-warm-up (``torch.profiler.profile(profile_memory=True)``); peak bytes are `zerofx.LiveStorageTracker`'s over one
-step, counting the step's state from the start; step time is the median over interleaved rounds.
+traffic is the blocks freed in one step after warm-up (``torch.profiler.profile(profile_memory=True)``); peak bytes
+are `zerofx.LiveStorageTracker`'s over one step, counting the step's state from the start; step time is the median
+over interleaved rounds.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int, size:
         step(model, opt, x, y)
     # the resident figures and times first, from a process that has run nothing but the steps, as a user's has:
     # the profiler and the tracker below allocate on the same heap and would shape it
-    whole_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the reset below resets this too
+    whole_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the reset below may reset this too
     steps_rise_kib = _reset_resident_high_water()
     times = []
     for x, y in batch[3:]:

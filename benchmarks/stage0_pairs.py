@@ -8,9 +8,9 @@ defaults) runs in a world of ``--world`` processes of its own, as its users run 
 a heap another one left behind. The worlds take turns, one step at a time on the same batch, in an order that rotates
 every round, while the others wait idle; a drift of the machine's speed thus reaches all of them alike. Printed per
 system: the median step time (the slowest rank's), the median of the per-batch ratios to DDP's step, the median and
-range over rounds of the ratio of round medians (what ``compare_peers.py`` reports), and the page faults per step on
-rank 0 (first touches of memory the process got back from the system: on this machine's virtual CPU each costs
-microseconds).
+range over rounds of the ratio of round medians (what ``compare_peers.py`` reports), and the mean page faults per
+step on rank 0 (first touches of memory the process got back from the system: on this machine's virtual CPU each
+costs microseconds). Each system goes first equally often when ``--rounds`` is a multiple of the number of systems.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import multiprocessing as mp
 import os
 import queue
 import resource
-import socket
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from multiprocessing import connection
 
@@ -48,29 +49,23 @@ def _options(variant: str) -> dict:
     return eval(f"dict({variant})", {"torch": torch})  # noqa: S307: the command line of whoever runs it
 
 
-def _build(name: str, cfg: GPTConfig):
-    if name == DDP:
+def _build(variant: str | None, cfg: GPTConfig):
+    """DDP for ``None``, else zerofx-0 with the ``zerofx.compile`` keywords ``variant``."""
+    if variant is None:
         return systems.ddp_system(cfg)
-    variant = name.removeprefix("zerofx-0 ")
-    return systems.zerofx_system(cfg, 0, False, **_options("" if variant == "defaults" else variant))
+    return systems.zerofx_system(cfg, 0, False, **_options(variant))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker(name: str, rank: int, world: int, port: int, text: str, commands, done) -> None:
+def worker(variant: str | None, rank: int, world: int, rendezvous: str, text: str, commands, done) -> None:
     """One rank of one system's world: warm up, then run one timed step per batch index received, until None."""
     faulthandler.enable()  # a rank that crashes says where
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group(zerofx.collectives.gloo_one_worker(), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    # a file per world, not a port: a port chosen free here could be taken before this world's rank 0 binds it
+    dist.init_process_group(zerofx.collectives.gloo_one_worker(), init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
     cfg = GPTConfig(vocab_size=len(set(text)), block_size=64, n_layer=4, n_head=4, n_embd=128)
     batch = _batches(cfg, 8, rank, text)
-    system = _build(name, cfg)
+    system = _build(variant, cfg)
     for index in range(WARMUP):
         system.step(*batch(index)).item()
     done.put((rank, None))
@@ -93,13 +88,12 @@ def worker(name: str, rank: int, world: int, port: int, text: str, commands, don
 class World:
     """The processes of one system, and the queues through which they are told to step."""
 
-    def __init__(self, ctx, name: str, size: int, text: str):
-        port = _free_port()
+    def __init__(self, ctx, name: str, variant: str | None, size: int, text: str, rendezvous: str):
         self.name = name
         self.done = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(size)]
-        self.procs = [ctx.Process(target=worker, args=(name, r, size, port, text, self.commands[r], self.done), daemon=True)
-                      for r in range(size)]
+        self.procs = [ctx.Process(target=worker, args=(variant, r, size, rendezvous, text, self.commands[r], self.done),
+                                  daemon=True) for r in range(size)]
         for p in self.procs:
             p.start()
 
@@ -116,7 +110,9 @@ class World:
             except queue.Empty:
                 ended = {r for r, p in enumerate(self.procs) if r not in got and connection.wait([p.sentinel], 0)}
                 if ended & missing_after_end:
-                    raise RuntimeError(f"{self.name}: rank {min(ended & missing_after_end)} ended during the benchmark")
+                    rank = min(ended & missing_after_end)  # a negative exit code is the signal that ended it
+                    raise RuntimeError(f"{self.name}: rank {rank} ended during the benchmark, exit code "
+                                       f"{self.procs[rank].exitcode}") from None
                 missing_after_end = ended
         return [got[r] for r in range(len(self.procs))]
 
@@ -154,10 +150,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="batches per round")
     parser.add_argument("--variant", action="append", help='zerofx.compile keywords, e.g. "memory_plan=True"')
     args = parser.parse_args()
-    names = [DDP] + [f"zerofx-0 {v or 'defaults'}" for v in args.variant or [""]]
+    variants = {DDP: None} | {f"zerofx-0 {v or 'defaults'}": v for v in args.variant or [""]}
+    if len(variants) < 1 + len(args.variant or [""]):
+        parser.error("each --variant may be given once")
+    names = list(variants)
     text = open(os.path.join(ROOT, "examples", "data", "zero.txt")).read()
     ctx = mp.get_context("spawn")
-    worlds = {name: World(ctx, name, args.world, text) for name in names}
+    rendezvous = tempfile.mkdtemp(prefix="stage0_pairs")
+    worlds = {name: World(ctx, name, variant, args.world, text, os.path.join(rendezvous, str(i)))
+              for i, (name, variant) in enumerate(variants.items())}
     for w in worlds.values():
         w.wait()
     index = 0
@@ -168,6 +169,7 @@ def main() -> None:
                 worlds[name].step(index)
             index += 1
     measured = {name: w.finish() for name, w in worlds.items()}
+    shutil.rmtree(rendezvous, ignore_errors=True)
     print(f"{args.world} ranks per system, {args.rounds} rounds of {args.steps} batches, one thread per rank")
     report(measured, args.rounds, args.steps)
 
