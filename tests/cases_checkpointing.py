@@ -80,10 +80,10 @@ def budgets(rank, world_size, stage, steps=1):
     return figures
 
 
-def offload_against_resident(rank, world_size, stage, steps=2):
+def offload_against_resident(rank, world_size, stage, memory_plan=False, steps=2):
     """P_a+cpu: checkpoints in host memory, bitwise as keeping them resident; the figures of both runs."""
-    resident = _run(rank, stage, "blocks", steps, SIX_BLOCKS)
-    offloaded = _run(rank, stage, "blocks", steps, SIX_BLOCKS, offload_activations=True)
+    resident = _run(rank, stage, "blocks", steps, SIX_BLOCKS, memory_plan=memory_plan)
+    offloaded = _run(rank, stage, "blocks", steps, SIX_BLOCKS, offload_activations=True, memory_plan=memory_plan)
     _assert_bitwise("offload_activations", offloaded, resident)
     return {name: {"resident": r[2].resident_checkpoint_bytes, "checkpoint": r[2].checkpoint_bytes,
                    "host": r[2].offloaded_bytes} for name, r in (("resident", resident), ("offloaded", offloaded))}

@@ -44,13 +44,13 @@ def test_activation_budget_keeps_its_share_and_recomputes_more_as_it_falls(ranks
     assert inputs_only < 0.5 * none, figures
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_offloaded_checkpoints_wait_in_host_memory(ranks2, stage):
+@pytest.mark.parametrize("stage, memory_plan", [(0, False), (3, False), (0, True), (3, True)])
+def test_offloaded_checkpoints_wait_in_host_memory(ranks2, stage, memory_plan):
     """Each block's saved input (8 KiB here) is resident only while forward reads it and again from just before
     its block's recompute; in between it is in the host pool. Measured: the most checkpoint bytes resident at once
     fall from all six blocks' to at most two blocks' (one being written, one being read), the host pool peaks at
-    all six."""
-    r = ranks2.run(cases.offload_against_resident, stage=stage)[0]
+    all six. Planned (``memory_plan``), the checkpoints written into the arena count as checkpoints alike."""
+    r = ranks2.run(cases.offload_against_resident, stage=stage, memory_plan=memory_plan)[0]
     block = 4 * 16 * 32 * 4
     assert r["resident"]["checkpoint"] == r["offloaded"]["checkpoint"] == 6 * block
     assert r["resident"]["resident"] == 6 * block and r["resident"]["host"] == 0, r

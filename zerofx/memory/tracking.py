@@ -10,6 +10,9 @@ first and comes back as ops on plain tensors, which the tracker then sees.
 
 from __future__ import annotations
 
+import bisect
+import operator
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -85,6 +88,8 @@ class StepProbe(fx.Interpreter):
     (``comm_buffer``), the inputs checkpointed regions keep (``checkpoint``) and their host copies
     (``offloaded``); everything else forward and backward allocate counts as
     ``activations`` (saved activations and temporaries alike). How many bytes comes from the storages themselves.
+    A planned buffer (``memory_plan``) counts as what it holds while the step holds it or a view of it; the rest of
+    the arena counts as ``arena``.
     """
 
     def __init__(self, gm: fx.GraphModule):
@@ -95,6 +100,7 @@ class StepProbe(fx.Interpreter):
         backward = [n for n in gm.graph.nodes if n.op == "call_function" and tag(n) and tag(n).phase == Phase.BACKWARD]
         self._end_of_backward = backward[-1] if backward else None
         self._category: dict[int, tuple[StorageWeakRef, str]] = {}  # live storages; a freed one's key is reused
+        self._slots: dict[int, tuple[int, str]] = {}  # the arena's slots in use: first byte -> (end, category)
         self._tracker: LiveStorageTracker | None = None
         self.grad_bytes = 0
         self.activation_bytes = 0
@@ -116,8 +122,11 @@ class StepProbe(fx.Interpreter):
             if isinstance(value, torch.Tensor):
                 ref = StorageWeakRef(value.untyped_storage())
                 known = self._category.get(ref.cdata)
-                if known is None or known[0].expired() or category in ("grads", "gathered_params"):
+                if known is None or known[0].expired() or (category in ("grads", "gathered_params")
+                                                           and known[1] != "arena"):  # slots count apart
                     self._category[ref.cdata] = (ref, category)
+        if _reads_a_slot(n):
+            self._open_slot(result, category_of(next(iter(n.users))))
         live = self._tracker.live_by_storage()
         for key in self._category.keys() - live.keys():  # freed since the last node: the key may be reused
             del self._category[key]
@@ -126,6 +135,9 @@ class StepProbe(fx.Interpreter):
             known = self._category.get(key)
             name = known[1] if known is not None else "activations"
             live_by_category[name] = live_by_category.get(name, 0) + nbytes
+        for name, nbytes in self._slots_in_use().items():  # the arena's bytes by what its slots hold now
+            live_by_category[name] = live_by_category.get(name, 0) + nbytes
+            live_by_category["arena"] -= nbytes
         for name, nbytes in live_by_category.items():
             if nbytes > self.high_water.get(name, 0):
                 self.high_water[name] = nbytes
@@ -137,6 +149,43 @@ class StepProbe(fx.Interpreter):
         if n is self._end_of_backward:
             self.grad_bytes = live_by_category.get("grads", 0)
         return result
+
+
+    def _open_slot(self, view: torch.Tensor, category: str) -> None:
+        """A planned buffer about to be written: it takes its bytes from any earlier slot there (which the plan
+        guarantees is no longer read)."""
+        start = view.data_ptr()
+        end = start + view.numel() * view.element_size()
+        for first, (last, _) in list(self._slots.items()):
+            if first < end and start < last:
+                del self._slots[first]
+        self._slots[start] = (end, category)
+
+    def _slots_in_use(self) -> dict[str, int]:
+        """Bytes of the slots the step still holds (their writer's result or a view of it), by category."""
+        if not self._slots:
+            return {}
+        firsts = sorted(self._slots)
+        held = set()
+        for node, value in self.env.items():
+            if node.op == "placeholder":
+                continue  # the arena's own list holds every slot
+            for t in pytree.tree_leaves(value):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    i = bisect.bisect_right(firsts, t.data_ptr()) - 1
+                    if i >= 0 and t.data_ptr() < self._slots[firsts[i]][0]:
+                        held.add(firsts[i])
+        by_category: dict[str, int] = {}
+        for first in held:
+            end, category = self._slots[first]
+            by_category[category] = by_category.get(category, 0) + end - first
+        return by_category
+
+
+def _reads_a_slot(n: fx.Node) -> bool:
+    """``arena[i]``: the view a planned op writes its output into (`plan_memory`)."""
+    return (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "placeholder" and category_of(n.args[0]) == "arena")
 
 
 _INPUT_CATEGORY = {Role.PARAM: "params", Role.MASTER: "master_params", Role.OPT_STATE: "optimizer_states",
