@@ -44,7 +44,7 @@ def test_activation_budget_keeps_its_share_and_recomputes_more_as_it_falls(ranks
     assert inputs_only < 0.5 * none, figures
 
 
-@pytest.mark.parametrize("stage, memory_plan", [(0, False), (3, False), (0, True), (3, True)])
+@pytest.mark.parametrize("stage, memory_plan", [(0, False), (3, False), (0, True), (1, True), (2, True), (3, True)])
 def test_offloaded_checkpoints_wait_in_host_memory(ranks2, stage, memory_plan):
     """Each block's saved input (8 KiB here) is resident only while forward reads it and again from just before
     its block's recompute; in between it is in the host pool. Measured: the most checkpoint bytes resident at once

@@ -150,7 +150,6 @@ class StepProbe(fx.Interpreter):
             self.grad_bytes = live_by_category.get("grads", 0)
         return result
 
-
     def _open_slot(self, view: torch.Tensor, category: str) -> None:
         """A planned buffer about to be written: it takes its bytes from any earlier slot there (which the plan
         guarantees is no longer read)."""
