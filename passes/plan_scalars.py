@@ -65,6 +65,11 @@ class ScalarOperands:
     constants: int
     computed: int
 
+    @property
+    def nbytes(self) -> int:
+        """What the module keeps for them: one float32 0-dim tensor each."""
+        return (self.constants + self.computed) * torch.float32.itemsize
+
 
 def float32_of(number: int | float) -> int | float:
     """A computed number as casting it to float32 rounds it: beyond float32's range ±inf (as a wrapped number

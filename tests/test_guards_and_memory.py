@@ -155,3 +155,19 @@ def test_planned_graphs_of_one_step_share_one_arena_and_train_as_unplanned():
     storages = {slot.untyped_storage().data_ptr() for g in graphs for slot in g.arena()}
     assert len(storages) == 1
     assert graphs[0].arena()[0].untyped_storage().nbytes() == max(planned)
+
+
+def test_stage_0_plans_its_memory_by_default_and_the_other_stages_opt_in():
+    """Stage 0 writes its intermediates into the arena unless told otherwise; stages 1-3 only when asked."""
+    assert [zerofx.api.Config(stage=s).memory_plan for s in range(4)] == [True, False, False, False]
+    assert not zerofx.api.Config(stage=0, memory_plan=False).memory_plan
+    assert zerofx.api.Config(stage=3, memory_plan=True).memory_plan
+    held, steps = {}, {}
+    for memory_plan in (None, False):
+        model, opt = gpt_and_adamw()
+        step = zerofx.compile(train_step) if memory_plan is None else zerofx.compile(train_step, memory_plan=False)
+        step(model, opt, *token_batch(0, 0))
+        held[memory_plan], steps[memory_plan] = step.stats().held_plan_bytes, step
+    (graph,) = steps[None]._cache.values()
+    kept = [graph.arena()[0], *graph.gm.buffers()]  # the arena, and the scalar operands the module keeps
+    assert held[None] == sum(t.untyped_storage().nbytes() for t in kept) > 0 and held[False] == 0

@@ -10,8 +10,10 @@ def test_zero_grad_before_or_after_the_update_matches_ddp(ranks2, stage):
     result = ranks2.run(cases.zero_grad_anywhere, stage=stage)[0]
     peaks = result["peaks"]
     if stage == 0:
-        # gradients of the last step are not fed back as zeros: no more memory than zeroing first
-        assert peaks["zero_grad last"] == peaks["model.zero_grad() last"] == peaks["zero_grad first"]
+        # gradients of the last step are not fed back as zeros (4Ψ bytes more): no more memory than zeroing first,
+        # up to where each loop's graph, planned on its own (memory_plan, on at stage 0), places its buffers
+        first = peaks["zero_grad first"]
+        assert all(abs(peaks[name] - first) <= 0.02 * first for name in ("zero_grad last", "model.zero_grad() last"))
     # zero tensors left in .grad by set_to_none=False are read by the next step: one graph for that, at stage 0
     expected = {name: 1 for name in cases.LOOPS}
     if stage == 0:

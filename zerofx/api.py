@@ -52,7 +52,8 @@ class Config:
     offload_activations: bool = False  # checkpoints wait in host memory between forward and backward (P_a+cpu)
     mesh: object = None  # a DeviceMesh ("dp",) or ("dp", "tp"): ZeRO over "dp", the model's DTensors over "tp"
     partition_activations: bool = False  # P_a: checkpoints replicated over "tp" kept as 1/tp slices
-    memory_plan: bool = False  # M_D: intermediates written into one preplanned arena, reused every step
+    # M_D: intermediates written into one preplanned arena, reused every step; None: on at stage 0 only
+    memory_plan: bool | None = None
     keep_graphs: bool = False  # keep the graph after capture and after each pass for step.graph(name)
 
     def __post_init__(self):
@@ -71,6 +72,11 @@ class Config:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
         if not isinstance(self.max_traces, int) or self.max_traces < 1:
             raise ValueError(f"max_traces must be a positive int, got {self.max_traces!r}")
+        if self.memory_plan is None:
+            # planned, stage 0 reuses its buffers every step as DDP keeps its buckets (its all-reduces work in place
+            # on planned buckets) instead of taking memory back from the system each step; at stages 1-3 the
+            # collectives' results stay with the allocator, and planning is opt-in
+            object.__setattr__(self, "memory_plan", self.stage == 0)
         if self.mesh is not None and self.mixed_precision is not None:
             raise ValueError("mesh= with mixed_precision= is not supported: tensor-parallel steps run in fp32")
 
@@ -81,7 +87,7 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
             max_traces: int = 8, units: UnitRule = "blocks", unit_cap_bytes: int = UNIT_CAP_BYTES,
             checkpoint: UnitRule | None = None, activation_budget: float | None = None,
             recompute_pointwise: bool = True, offload_activations: bool = False, mesh=None,
-            partition_activations: bool = False, memory_plan: bool = False, keep_graphs: bool = False):
+            partition_activations: bool = False, memory_plan: bool | None = None, keep_graphs: bool = False):
     """Capture ``train_step(model, optimizer, *batch)`` into one graph on its first call and run it with ZeRO
     ``stage`` (0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters).
 
@@ -105,7 +111,7 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     ``partition_activations`` (P_a) keeps each checkpoint that the tp ranks hold alike as this rank's 1/tp slice,
     all-gathered over tp before its recompute (with ``offload_activations``, the slices wait in host memory).
     ``memory_plan`` (M_D) writes the step's intermediates into one arena planned from their lifetimes, allocated
-    once and reused every step; results are bitwise the same.
+    once and reused every step; results are bitwise the same. By default it is on at stage 0 and off at 1-3.
     """
     if (activation_budget is not None or offload_activations or partition_activations) and checkpoint is None:
         checkpoint = "blocks"

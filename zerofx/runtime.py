@@ -41,6 +41,11 @@ class SharedArena:
         # by graph (an evicted graph's go with it): its slots, views of ``_raw``
         self._slots: weakref.WeakKeyDictionary[fx.Graph, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes held (0 before a planned graph first runs)."""
+        return 0 if self._raw is None else self._raw.numel()
+
     def slots(self, graph: fx.Graph, planned: list[torch.Tensor]) -> list[torch.Tensor]:
         """``graph``'s slots (like ``planned``, the ``arena`` placeholder's fake views), in the shared bytes; the bytes
         grow, and every graph's slots are made again, when ``graph`` plans more than they hold."""

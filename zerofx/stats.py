@@ -52,6 +52,9 @@ class StepStats:
     arena_bytes: int = 0  # the planned arena: the smaller of one joint plan and one pool per lifetime class
     arena_bytes_by_layout: dict[str, int] = field(default_factory=dict)  # both ("joint", "pools by class")
     largest_at_peak: list[tuple[str, str, int]] = field(default_factory=list)  # (buffer, class, bytes), inputs too
+    # memory_plan: what the step keeps between steps for it (0: unplanned): the arena its graphs share (as large as
+    # the largest plan) and the last graph's scalar operands
+    held_plan_bytes: int = 0
     # plans: the activation bytes alive when the most are (activation_bytes), by the op that made them
     activations_at_peak: dict[str, int] = field(default_factory=dict)
 
@@ -148,7 +151,13 @@ def measure(config, compiled, binding, args, owned, records, probe, traces: int)
                      ring_volume([r for r in records if r.purpose == "activations"]),
                      memory.placement.lower_bound_bytes, memory.placement.arena_bytes,
                      memory.placement.arena_bytes_by_layout,
-                     [(s.name, s.category, s.nbytes) for s in memory.largest_at_peak()])
+                     [(s.name, s.category, s.nbytes) for s in memory.largest_at_peak()],
+                     _held_plan_bytes(compiled))
+
+
+def _held_plan_bytes(compiled) -> int:
+    scalars = compiled.ctx.artifacts.get("scalar_operands")
+    return compiled.shared_arena.nbytes + (scalars.nbytes if scalars else 0)
 
 
 def _tp_volume(graph, ctx) -> float:

@@ -50,6 +50,12 @@ def _ratio(r: dict) -> str:
     return f"{mid:.2f} ({lo:.2f}–{hi:.2f})"
 
 
+def _kept(r: dict) -> str:
+    """Every storage alive between steps; of those, what zerofx's memory_plan keeps for the next step."""
+    plan = r.get("plan_bytes", 0)  # absent from runs recorded before it was
+    return f"{r['model_state_bytes'] / MiB:.2f}" + (f" (plan {plan / MiB:.2f})" if plan else "")
+
+
 def table(run: dict) -> str:
     psi, n = run["psi"], run["world_size"]
     lines = [f"**{n} ranks**, Ψ = {psi:,} parameters. Bytes per rank (the largest over ranks), MiB.", "",
@@ -58,7 +64,7 @@ def table(run: dict) -> str:
              "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in run["results"]:
         lines.append(
-            f"| {r['name']} | {r['precision']} | {r['peak_bytes'] / MiB:.2f} | {r['model_state_bytes'] / MiB:.2f} | "
+            f"| {r['name']} | {r['precision']} | {r['peak_bytes'] / MiB:.2f} | {_kept(r)} | "
             f"{r['formula_bytes'] / MiB:.2f} ({r['stage']}) | {r['collectives']} | "
             f"{r['comm_elements'] / psi * n / (n - 1):.2f} | {r['comm_bytes'] / MiB:.2f} | "
             f"{statistics.median(r['step_ms']):.1f} | {_ratio(r)} | {r['final_loss']:.5f} |")

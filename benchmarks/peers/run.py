@@ -47,7 +47,8 @@ class Result:
     name: str
     precision: str
     stage: int
-    model_state_bytes: int = 0  # max over ranks
+    model_state_bytes: int = 0  # max over ranks: every storage alive between steps
+    plan_bytes: int = 0  # of those, what zerofx's memory_plan keeps for the next step (its arena, its scalars)
     peak_bytes: int = 0  # max over ranks
     formula_bytes: float = 0.0
     collectives: int = 0
@@ -137,8 +138,8 @@ class Bench:
             self.skipped[f"{name} ({precision})"] = error
             return None, None
         m = measure.measure(system.step, self.batch, 1)
-        peak, state = _max_over_ranks([m.peak_bytes, m.model_state_bytes])
-        result = Result(system.name, precision, system.stage, int(state), int(peak),
+        peak, state, plan = _max_over_ranks([m.peak_bytes, m.model_state_bytes, system.held_plan_bytes()])
+        result = Result(system.name, precision, system.stage, int(state), int(plan), int(peak),
                         self._formula(system.stage, precision), m.collectives, m.comm_elements, m.comm_bytes)
         self.next_step[self._key(result)] = 3
         return system, result

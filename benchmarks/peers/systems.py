@@ -25,6 +25,7 @@ class System:
     stage: int  # the ZeRO stage whose formula describes what it keeps
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     keep: list = field(default_factory=list)  # objects the step needs alive
+    held_plan_bytes: Callable[[], int] = lambda: 0  # what zerofx's memory_plan keeps between steps
 
 
 def _train_step(model, optimizer, x, y):
@@ -49,7 +50,7 @@ def zerofx_system(cfg: GPTConfig, stage: int, bf16: bool, bucket_bytes: int | No
     name = f"zerofx-{stage}" + ("" if reshard_after_forward or stage < 3 else " no-reshard") + \
         ("" if bucket_bytes is None else " tuned buckets")
     return System(name, "bf16" if bf16 else "fp32", stage, lambda x, y: compiled(model, optimizer, x, y),
-                  keep=[model, optimizer, compiled])
+                  keep=[model, optimizer, compiled], held_plan_bytes=lambda: compiled.stats().held_plan_bytes)
 
 
 def ddp_system(cfg: GPTConfig, checkpoint: bool = False) -> System:

@@ -122,8 +122,11 @@ class StepProbe(fx.Interpreter):
             if isinstance(value, torch.Tensor):
                 ref = StorageWeakRef(value.untyped_storage())
                 known = self._category.get(ref.cdata)
-                if known is None or known[0].expired() or (category in ("grads", "gathered_params")
-                                                           and known[1] != "arena"):  # slots count apart
+                relabels = category in ("grads", "gathered_params")  # a view of an earlier buffer that is one
+                if known is not None and known[1] == "arena":  # slots count apart
+                    if relabels:
+                        self._relabel_slot(value, category)
+                elif known is None or known[0].expired() or relabels:
                     self._category[ref.cdata] = (ref, category)
         if _reads_a_slot(n):
             self._open_slot(result, category_of(next(iter(n.users))))
@@ -160,6 +163,17 @@ class StepProbe(fx.Interpreter):
                 del self._slots[first]
         self._slots[start] = (end, category)
 
+    def _relabel_slot(self, view: torch.Tensor, category: str) -> None:
+        """The slot ``view`` lies in holds ``category`` from now on, as an unplanned storage would be relabelled."""
+        first = self._slot_of(view, sorted(self._slots))
+        if first is not None:
+            self._slots[first] = (self._slots[first][0], category)
+
+    def _slot_of(self, t: torch.Tensor, firsts: list[int]) -> int | None:
+        """The first byte of the slot (``firsts``, sorted) that ``t`` starts in, if any."""
+        i = bisect.bisect_right(firsts, t.data_ptr()) - 1
+        return firsts[i] if i >= 0 and t.data_ptr() < self._slots[firsts[i]][0] else None
+
     def _slots_in_use(self) -> dict[str, int]:
         """Bytes of the slots the step still holds (their writer's result or a view of it), by category."""
         if not self._slots:
@@ -170,10 +184,8 @@ class StepProbe(fx.Interpreter):
             if node.op == "placeholder":
                 continue  # the arena's own list holds every slot
             for t in pytree.tree_leaves(value):
-                if isinstance(t, torch.Tensor) and t.numel():
-                    i = bisect.bisect_right(firsts, t.data_ptr()) - 1
-                    if i >= 0 and t.data_ptr() < self._slots[firsts[i]][0]:
-                        held.add(firsts[i])
+                if isinstance(t, torch.Tensor) and t.numel() and (first := self._slot_of(t, firsts)) is not None:
+                    held.add(first)
         by_category: dict[str, int] = {}
         for first in held:
             end, category = self._slots[first]

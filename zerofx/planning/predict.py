@@ -63,6 +63,9 @@ def plan(train_step: Callable, model, optimizer, example_batch: tuple, *, world_
         _check_on_meta(model)
         batch = tuple(torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t
                       for t in example_batch)
+        # the allocator's figures: memory_plan places the same buffers in one arena at the same peak, and meta
+        # tensors lack some of the out= kernels it writes with
+        options.setdefault("memory_plan", False)
         step = compile_step(train_step, stage=stage, mesh=mesh, verify_ranks=False, **options)
         with OnMeta():
             step(model, optimizer, *batch)
