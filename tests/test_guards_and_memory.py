@@ -1,7 +1,9 @@
 """What the graph depends on (inputs vs guards) and what it costs in memory, on one process."""
 
+import gc
 import logging
 
+import pytest
 import torch
 
 import zerofx
@@ -157,17 +159,34 @@ def test_planned_graphs_of_one_step_share_one_arena_and_train_as_unplanned():
     assert graphs[0].arena()[0].untyped_storage().nbytes() == max(planned)
 
 
-def test_stage_0_plans_its_memory_by_default_and_the_other_stages_opt_in():
-    """Stage 0 writes its intermediates into the arena unless told otherwise; stages 1-3 only when asked."""
-    assert [zerofx.api.Config(stage=s).memory_plan for s in range(4)] == [True, False, False, False]
-    assert not zerofx.api.Config(stage=0, memory_plan=False).memory_plan
-    assert zerofx.api.Config(stage=3, memory_plan=True).memory_plan
-    held, steps = {}, {}
-    for memory_plan in (None, False):
-        model, opt = gpt_and_adamw()
-        step = zerofx.compile(train_step) if memory_plan is None else zerofx.compile(train_step, memory_plan=False)
-        step(model, opt, *token_batch(0, 0))
-        held[memory_plan], steps[memory_plan] = step.stats().held_plan_bytes, step
-    (graph,) = steps[None]._cache.values()
-    kept = [graph.arena()[0], *graph.gm.buffers()]  # the arena, and the scalar operands the module keeps
-    assert held[None] == sum(t.untyped_storage().nbytes() for t in kept) > 0 and held[False] == 0
+def _kept_after_a_step(**options):
+    """The step, its loss, and the bytes of every storage its first step left alive (its loss dropped)."""
+    model, opt = gpt_and_adamw()
+    batch = token_batch(0, 0)
+    step = zerofx.compile(train_step, **options)
+    with zerofx.LiveStorageTracker() as tracker:
+        loss = step(model, opt, *batch).item()
+        gc.collect()
+        kept = sum(tracker.live_by_storage().values())
+    return step, (model, opt), loss, kept
+
+
+def test_stage_0_plans_its_memory_by_default_keeps_it_between_steps_and_releases_it():
+    """Stage 0 writes its intermediates into the arena unless told otherwise, stages 1-3 only when asked. A planned
+    step keeps its arena (and its scalar operands) alive between steps: measured on live storages, what it keeps
+    beyond the unplanned step is ``held_plan_bytes``; ``release_arena`` frees the arena until the next step."""
+    assert [zerofx.compile(train_step, stage=s).config.memory_plan for s in range(4)] == [True, False, False, False]
+    assert not zerofx.compile(train_step, memory_plan=False).config.memory_plan
+    assert zerofx.compile(train_step, stage=3, memory_plan=True).config.memory_plan
+    with pytest.raises(TypeError, match="memory_plan"):
+        zerofx.compile(train_step, memory_plan="no")
+    planned, planned_state, planned_loss, planned_kept = _kept_after_a_step()
+    unplanned, unplanned_state, unplanned_loss, unplanned_kept = _kept_after_a_step(memory_plan=False)
+    held = planned.stats().held_plan_bytes
+    assert planned_loss == unplanned_loss and unplanned.stats().held_plan_bytes == 0
+    assert planned_kept - unplanned_kept == held > 0
+    planned.release_arena()
+    assert 0 < planned.stats().held_plan_bytes < held  # the scalar operands stay with the graph
+    batch = token_batch(1, 0)
+    assert planned(*planned_state, *batch).item() == unplanned(*unplanned_state, *batch).item()
+    assert planned.stats().held_plan_bytes == held

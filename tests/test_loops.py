@@ -13,7 +13,7 @@ def test_zero_grad_before_or_after_the_update_matches_ddp(ranks2, stage):
         # gradients of the last step are not fed back as zeros (4Ψ bytes more): no more memory than zeroing first,
         # up to where each loop's graph, planned on its own (memory_plan, on at stage 0), places its buffers
         first = peaks["zero_grad first"]
-        assert all(abs(peaks[name] - first) <= 0.02 * first for name in ("zero_grad last", "model.zero_grad() last"))
+        assert all(peaks[name] <= 1.02 * first for name in ("zero_grad last", "model.zero_grad() last"))
     # zero tensors left in .grad by set_to_none=False are read by the next step: one graph for that, at stage 0
     expected = {name: 1 for name in cases.LOOPS}
     if stage == 0:

@@ -52,8 +52,7 @@ class Config:
     offload_activations: bool = False  # checkpoints wait in host memory between forward and backward (P_a+cpu)
     mesh: object = None  # a DeviceMesh ("dp",) or ("dp", "tp"): ZeRO over "dp", the model's DTensors over "tp"
     partition_activations: bool = False  # P_a: checkpoints replicated over "tp" kept as 1/tp slices
-    # M_D: intermediates written into one preplanned arena, reused every step; None: on at stage 0 only
-    memory_plan: bool | None = None
+    memory_plan: bool = False  # M_D: intermediates written into one preplanned arena, reused every step
     keep_graphs: bool = False  # keep the graph after capture and after each pass for step.graph(name)
 
     def __post_init__(self):
@@ -72,11 +71,6 @@ class Config:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
         if not isinstance(self.max_traces, int) or self.max_traces < 1:
             raise ValueError(f"max_traces must be a positive int, got {self.max_traces!r}")
-        if self.memory_plan is None:
-            # planned, stage 0 reuses its buffers every step as DDP keeps its buckets (its all-reduces work in place
-            # on planned buckets) instead of taking memory back from the system each step; at stages 1-3 the
-            # collectives' results stay with the allocator, and planning is opt-in
-            object.__setattr__(self, "memory_plan", self.stage == 0)
         if self.mesh is not None and self.mixed_precision is not None:
             raise ValueError("mesh= with mixed_precision= is not supported: tensor-parallel steps run in fp32")
 
@@ -111,10 +105,18 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     ``partition_activations`` (P_a) keeps each checkpoint that the tp ranks hold alike as this rank's 1/tp slice,
     all-gathered over tp before its recompute (with ``offload_activations``, the slices wait in host memory).
     ``memory_plan`` (M_D) writes the step's intermediates into one arena planned from their lifetimes, allocated
-    once and reused every step; results are bitwise the same. By default it is on at stage 0 and off at 1-3.
+    once and reused every step (kept between steps: ``release_arena()`` frees it until the next step); results are
+    bitwise the same. By default it is on at stage 0 and off at 1-3.
     """
     if (activation_budget is not None or offload_activations or partition_activations) and checkpoint is None:
         checkpoint = "blocks"
+    if memory_plan is None:
+        # planned, a stage-0 step reuses one arena every step instead of taking its memory back from the system
+        # and faulting it in again (on CPU, thousands of page faults a step); from stage 1 on, collectives'
+        # results stay with the allocator and planning is opt-in
+        memory_plan = stage == 0
+    elif not isinstance(memory_plan, bool):
+        raise TypeError(f"memory_plan must be True, False or None (on at stage 0 only), got {memory_plan!r}")
     config = Config(stage, bucket_bytes, prefetch, reshard_after_forward,
                     dump_dir or os.environ.get("ZEROFX_DUMP"), verify_ranks, track_memory, mixed_precision,
                     max_traces, units, unit_cap_bytes, checkpoint, activation_budget, recompute_pointwise,
@@ -339,6 +341,11 @@ class CompiledStep:
         """float16 mixed precision: the current dynamic loss scale."""
         owned = self._owned
         return None if owned is None or owned.loss_scale is None else owned.loss_scale.item()
+
+    def release_arena(self) -> None:
+        """Free the arena ``memory_plan`` keeps between steps (before evaluation or other work outside the step,
+        say); the next step allocates it again."""
+        self._arena.release()
 
     def stats(self) -> StepStats:
         """What the last step did: its collectives and communication volume, model-state bytes and peak."""

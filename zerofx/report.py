@@ -33,17 +33,19 @@ def report(step, *, print_output: bool = True) -> str:
     if stats.recomputed_regions:
         text += (f"\nactivation checkpointing: {stats.recomputed_regions} regions recomputed in backward, "
                  f"{stats.recomputed_flops:,} FLOPs, {stats.checkpoint_bytes:,} bytes of saved inputs")
-    text += (f"\nmemory plan (M_D): the step's own buffers need at least {stats.lower_bound_bytes:,} bytes at once; "
+    placed = step._last.ctx.artifacts.get("memory_plan")
+    whose = "the buffers left outside the arena" if placed is not None else "the step's own buffers"
+    text += (f"\nmemory plan (M_D): {whose} need at least {stats.lower_bound_bytes:,} bytes at once; "
              f"planned in one arena of {stats.arena_bytes:,} (fragmentation {stats.fragmentation:.2%}; "
              + ", ".join(f"{layout} {nbytes:,}" for layout, nbytes in stats.arena_bytes_by_layout.items())
              + "); largest alive at the peak: " + ", ".join(f"{name} ({category}, {nbytes:,})"
                                                for name, category, nbytes in stats.largest_at_peak[:3]))
-    placed = step._last.ctx.artifacts.get("memory_plan")
     if placed is not None:
         text += (f"\nmemory_plan: {placed.buffers} buffers written into one arena of {placed.arena_bytes:,} bytes, "
                  f"{placed.layout} (lower bound {placed.lower_bound_bytes:,}; "
                  + ", ".join(f"{layout} {nbytes:,}" for layout, nbytes in placed.arena_bytes_by_layout.items())
-                 + "), allocated once; left to the allocator: "
+                 + f"), allocated once and kept between steps ({stats.held_plan_bytes:,} bytes with the scalar "
+                 "operands; release_arena() frees them); left to the allocator: "
                  + ", ".join(f"{reason} {nbytes:,}" for reason, nbytes in sorted(placed.left.items(),
                                                                             key=lambda item: -item[1])))
     scalars = step._last.ctx.artifacts.get("scalar_operands")

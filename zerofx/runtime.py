@@ -41,6 +41,10 @@ class SharedArena:
         # by graph (an evicted graph's go with it): its slots, views of ``_raw``
         self._slots: weakref.WeakKeyDictionary[fx.Graph, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 
+    def release(self) -> None:
+        self._slots.clear()
+        self._raw = None
+
     @property
     def nbytes(self) -> int:
         """The bytes held (0 before a planned graph first runs)."""
@@ -51,8 +55,7 @@ class SharedArena:
         grow, and every graph's slots are made again, when ``graph`` plans more than they hold."""
         nbytes, device = planned[0].untyped_storage().nbytes(), planned[0].device
         if self._raw is None or self._raw.numel() < nbytes or self._raw.device != device:
-            self._slots.clear()
-            self._raw = None  # the old bytes go before the new ones come
+            self.release()  # the old bytes go before the new ones come
             self._raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if graph not in self._slots:
             self._slots[graph] = [slot_view(self._raw, s.storage_offset() * s.element_size(), s.dtype, s.shape)

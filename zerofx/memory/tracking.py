@@ -5,7 +5,8 @@ The size is read again at every sample because a storage can be resized in place
 re-allocates its unsharded parameters with ``untyped_storage().resize_``). ``peak_bytes`` is the high-water mark of
 the sum over live storages, sampled after every op (so an op's inputs and outputs count together, as they coexist).
 Tensors alive before the block count from the start when passed as ``roots``. A tensor subclass (DTensor) runs
-first and comes back as ops on plain tensors, which the tracker then sees.
+first and comes back as ops on plain tensors, which the tracker then sees. Meta and fake tensors (a trace's, which
+a graph keeps as metadata) hold no memory and do not count.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
@@ -60,7 +62,7 @@ class LiveStorageTracker(TorchDispatchMode):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves((args, kwargs, out)):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
+            if isinstance(t, torch.Tensor) and not t.is_meta and not isinstance(t, FakeTensor):  # neither holds memory
                 self._track(t)
         self._sweep()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
@@ -122,9 +124,10 @@ class StepProbe(fx.Interpreter):
             if isinstance(value, torch.Tensor):
                 ref = StorageWeakRef(value.untyped_storage())
                 known = self._category.get(ref.cdata)
-                relabels = category in ("grads", "gathered_params")  # a view of an earlier buffer that is one
+                # a gradient or gathered parameter may be a view of a buffer made earlier: that buffer holds it now
+                relabels = category in ("grads", "gathered_params")
                 if known is not None and known[1] == "arena":  # slots count apart
-                    if relabels:
+                    if relabels and value.numel():
                         self._relabel_slot(value, category)
                 elif known is None or known[0].expired() or relabels:
                     self._category[ref.cdata] = (ref, category)

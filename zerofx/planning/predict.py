@@ -40,7 +40,8 @@ def plan(train_step: Callable, model, optimizer, example_batch: tuple, *, world_
          mesh_shape: tuple[int, int] | None = None, **options) -> StepStats:
     """Predict the `StepStats` rank 0 of ``world_size`` ranks would report for ``train_step(model, optimizer,
     *example_batch)`` compiled with ``stage`` and ``options`` (any of ``zerofx.compile``'s: ``mixed_precision``,
-    ``checkpoint``, ``partition_activations``, ``offload_activations``, ...).
+    ``checkpoint``, ``partition_activations``, ``offload_activations``, ...), with ``memory_plan`` off: the same
+    peak, and no arena kept between steps (``held_plan_bytes`` 0).
 
     ``model`` is an ``nn.Module`` whose parameters are on the meta device, or, with ``mesh_shape=(dp, tp)``, a
     function of the tensor-parallel ``DeviceMesh`` that returns one (built on meta and split over it); ``optimizer``
@@ -49,6 +50,10 @@ def plan(train_step: Callable, model, optimizer, example_batch: tuple, *, world_
     and optimizer state (at stages 1-3 they end as shards): build a model per plan. Must run in a process without a
     process group: the plan makes its own world.
     """
+    if options.get("memory_plan"):
+        raise ValueError("memory_plan=True: plan predicts the step as the allocator runs it (meta tensors lack some "
+                         "out= kernels a planned graph writes with); planned, the peak is the same")
+    options["memory_plan"] = False  # also at stage 0, where zerofx.compile plans by default
     tp = 1
     if mesh_shape is not None:
         if len(mesh_shape) != 2 or mesh_shape[0] * mesh_shape[1] != world_size:
@@ -63,9 +68,6 @@ def plan(train_step: Callable, model, optimizer, example_batch: tuple, *, world_
         _check_on_meta(model)
         batch = tuple(torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t
                       for t in example_batch)
-        # the allocator's figures: memory_plan places the same buffers in one arena at the same peak, and meta
-        # tensors lack some of the out= kernels it writes with
-        options.setdefault("memory_plan", False)
         step = compile_step(train_step, stage=stage, mesh=mesh, verify_ranks=False, **options)
         with OnMeta():
             step(model, optimizer, *batch)
