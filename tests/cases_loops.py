@@ -51,14 +51,15 @@ def assert_matches_ddp(step, ref_model, ref_opt, atol=1e-7):
                                    msg=lambda m: f"{name}: {m}")
 
 
-def zero_grad_anywhere(rank, world_size, stage, steps=5):
+def zero_grad_anywhere(rank, world_size, stage, memory_plan=None, steps=5):
     """Every loop style against DDP written the same way; at stage 0 the peak of each, measured."""
     peaks, traces = {}, {}
     for name, fn in LOOPS.items():
         ref_model, ref_opt = gpt_and_adamw()
         ddp = DDP(ref_model)
         model, opt = gpt_and_adamw()
-        step = zerofx.compile(fn, stage=stage, bucket_bytes=8 * 1024, track_memory=stage == 0)  # peaks: stage 0
+        step = zerofx.compile(fn, stage=stage, bucket_bytes=8 * 1024, track_memory=stage == 0,  # peaks: stage 0
+                              memory_plan=memory_plan)
         for i in range(steps):
             x, y = token_batch(i, rank)
             torch.testing.assert_close(step(model, opt, x, y).item(), fn(ddp, ref_opt, x, y).item(), rtol=1e-5,

@@ -42,6 +42,7 @@ class SharedArena:
         self._slots: weakref.WeakKeyDictionary[fx.Graph, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 
     def release(self) -> None:
+        """Free the bytes; the next graph to run allocates them again."""
         self._slots.clear()
         self._raw = None
 
