@@ -306,6 +306,57 @@ def eager_parameters_differing_across_ranks(rank, world_size, stage):
     return _first_step_error(EagerScaleGPT(TINY_GPT, reads_scale=rank == 1), stage, rank, RankMismatchError)
 
 
+def _write_errors(model) -> dict[str, str]:
+    """What each way of writing into a stage-3 parameter from eager code raises (None where it does not)."""
+    weight = model.ln_f.weight
+    writes = {"mul_": lambda: weight.mul_(2), "+=": lambda: weight.__iadd__(1),
+              "init": lambda: torch.nn.init.ones_(weight), "setitem": lambda: weight.__setitem__(0, 1.0),
+              "foreach": lambda: torch._foreach_mul_([weight], 2.0), "out=": lambda: torch.add(weight, 1, out=weight),
+              ".data": lambda: weight.data}
+    errors = {}
+    with torch.no_grad():
+        for name, write in writes.items():
+            try:
+                write()
+                errors[name] = None
+            except RuntimeError as e:
+                errors[name] = str(e)
+    return errors
+
+
+def eager_reads_between_steps(rank, world_size, steps=3):
+    """Stage 3: between steps, eager code reads every parameter (``named_parameters``, ``state_dict()``, a norm) and
+    gets DDP's values, gathered for the read and released after it; writes raise; training goes on as DDP's."""
+    ref_model, ref_opt = gpt_and_adamw()
+    model, opt = _compiled(*gpt_and_adamw(), stage=3)
+    _train_beside_ddp(model, opt, ref_model, ref_opt, train_step, rank, steps)
+    compiled, model = model, model._orig_mod
+    read = {name: p.detach().clone() for name, p in model.named_parameters()}
+    reference = dict(ref_model.named_parameters())
+    for name, value in read.items():
+        torch.testing.assert_close(value, reference[name].detach(), rtol=1e-5, atol=2e-5, msg=name)
+    state = model.state_dict()
+    for name, value in read.items():
+        assert torch.equal(state[name], value), name
+    norm = model.ln_f.weight.norm().item()
+    torch.testing.assert_close(norm, ref_model.ln_f.weight.norm().item(), rtol=1e-5, atol=0)
+    held = [name for name, p in model.named_parameters() if p.untyped_storage().nbytes()]
+    errors = _write_errors(model)
+    _train_beside_ddp(compiled, opt, ref_model, ref_opt, train_step, rank, 1, first=steps)
+    return {"held": held, "errors": errors}
+
+
+def eager_reads_differing_across_ranks(rank, world_size):
+    """Between steps at stage 3, rank 0 reads the final norm's weight and rank 1 its bias."""
+    model, opt = _compiled(*gpt_and_adamw(), stage=3)
+    train_step(model, opt, *token_batch(0, rank))
+    try:
+        (model.ln_f.weight if rank == 0 else model.ln_f.bias).sum()
+    except RankMismatchError as e:
+        return str(e)
+    return None
+
+
 def checkpoint_between_paths(rank, world_size, directory, backend_stage, whole_step_stage, steps=4):
     """Each way: ``steps`` steps on one path, ``zerofx.checkpoint.save``, a fresh model (another seed) loaded on
     the other path, ``steps`` more; every loss and the final state against DDP training straight through."""

@@ -64,8 +64,7 @@ def test_graph_break_between_blocks_gives_ddps_losses_and_is_named(ranks2, stage
     assert len(result["breaks"]) == 1 and "graph_break" in result["breaks"][0]
 
 
-EAGER_CASES = [(model, stage, False) for model in cases.EAGER_MODELS for stage in (0, 1, 2, 3)
-               if not (stage == 3 and model.startswith("scale"))]  # stage 3: a raw read outside a module's forward
+EAGER_CASES = [(model, stage, False) for model in cases.EAGER_MODELS for stage in (0, 1, 2, 3)]
 EAGER_CASES += [(model, stage, True) for model in ("head eager, embedding compiled", "each block compiled")
                 for stage in (0, 1, 2, 3)] + [("break in the loop over blocks", 3, True)]
 EAGER_PARAMS = {"head eager, embedding compiled": lambda name: name == "wte.weight",  # tied to the head
@@ -81,8 +80,6 @@ def test_parameters_read_by_eager_code_train_as_ddp_does(ranks2, model, stage, b
     own forward read). Their gradients are reduced as backward ends in one collective (at
     stage 0 the tied weight's sum averaged once more), and training matches DDP (bf16: the whole-step path)."""
     result = ranks2.run(cases.eager_parameters_against_ddp, stage=stage, model=model, mixed_precision=bf16)[0]
-    if model.startswith("break") and stage == 3:
-        return  # with stage 3's gathering hooks on its modules, Dynamo compiles the embeddings and head as regions
     data = [r for r in result["records"] if r[3] == "data"]
     eager = EAGER_PARAMS.get(model, lambda name: not name.startswith("blocks."))
     numels = [numel if stage == 0 else -(-numel // 2) * 2 for name, numel in result["numels"].items() if eager(name)]
@@ -95,6 +92,22 @@ def test_ranks_whose_eager_code_reads_different_parameters_raise_before_averagin
     messages = ranks2.run(cases.eager_parameters_differing_across_ranks, stage=stage)
     assert messages[0] == messages[1] and "outside the compiled regions" in messages[0], messages
     assert "scale" in messages[0]
+
+
+def test_stage_3_parameters_read_by_eager_code_between_steps_are_gathered_and_writes_refused(ranks2):
+    """Every parameter read eagerly between steps (``named_parameters``, ``state_dict()``, a norm) gives DDP's value
+    and stays without memory after the read; each way of writing into one raises naming the parameter, where a write
+    into a gathered copy would be lost; training then goes on as DDP's (inside the case)."""
+    results = ranks2.run(cases.eager_reads_between_steps)
+    for result in results:
+        assert result["held"] == []
+        for write, message in result["errors"].items():
+            assert message is not None and "'ln_f.weight'" in message, (write, message)
+
+
+def test_stage_3_ranks_reading_different_parameters_eagerly_raise_on_every_rank(ranks2):
+    messages = ranks2.run(cases.eager_reads_differing_across_ranks)
+    assert all(m is not None and "ln_f.weight" in m and "ln_f.bias" in m for m in messages), messages
 
 
 def test_ranks_compiling_different_graphs_raise_before_their_collectives_disagree(ranks2):

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from zerofx import collectives, guards, optim_support, ranks, runtime
 from zerofx.api import Config
+from zerofx.backend.eager_reads import GatheredForRead, ShardedParameter
 from zerofx.backend.shards import Shards
 from zerofx.binding import StepBinding
 from zerofx.collectives import CollectiveRecord
@@ -57,14 +58,12 @@ class Prepared:
         self._reduced: set[str] = set()  # parameters whose gradient a compiled backward communicated since then
         # the model's trainable parameters (under mixed precision at stage 0 the binding names the masters instead)
         self._module_params = {fqn: p for fqn, p in self._binding.params.items() if p.requires_grad}
-        self._gathered_for_eager: dict[str, nn.Parameter] = {}  # stage 3: filled for eager code until the update
         self._compiled_grads: set[tuple[int, int]] = set()  # stage 0: (data_ptr, version) of each compiled gradient
         self._summed_with_eager: set[str] = set()  # stage 0: a compiled gradient arrived summed with another part
         self._end_of_backward_queued = False
         for fqn, p in self._module_params.items():
             p.register_hook(lambda grad, fqn=fqn: self._note_incoming(fqn, grad))
             p.register_post_accumulate_grad_hook(lambda p, fqn=fqn: self._note_accumulated(fqn, p))
-        optimizer.register_step_pre_hook(lambda *_: self._release_gathered_for_eager())
         optimizer.register_step_post_hook(lambda *_: self._end_step())
 
     def shard(self) -> None:
@@ -75,36 +74,27 @@ class Prepared:
         self._owned = self.shards.state
         self._by_storage = self._storage_index()
         if self.config.stage == 3:
-            self._gather_around_eager_calls()
+            self._gather_on_eager_reads()
 
-    def _gather_around_eager_calls(self) -> None:
-        """Stage 3: a module whose forward runs eagerly (outside every compiled region: a graph break Dynamo cannot
-        resume from, a disabled function) finds its own parameters gathered, as FSDP2's pre-forward hooks unshard
-        them; they stay full until the update (backward may read what autograd saved of them), or only through the
-        forward when it records no gradient. Inside a compiled region the hooks do nothing
-        (``torch.compiler.is_compiling()``): the graphs gather the shards themselves."""
-        for module in self.model.modules():
-            owned = [(self.fqn_of(p), p) for p in module.parameters(recurse=False)]
-            owned = [(fqn, p) for fqn, p in owned if fqn in self.layouts]
-            if owned:
-                module.register_forward_pre_hook(lambda _m, _a, owned=owned: self._gather_for_eager(owned))
-                module.register_forward_hook(lambda _m, _a, _o, owned=owned: self._release_after_no_grad(owned))
+    def _gather_on_eager_reads(self) -> None:
+        """Stage 3: eager code that reads a parameter (a module whose forward Dynamo leaves to eager, a parameter
+        passed to a disabled function, between steps) reads its gathered value (`eager_reads`)."""
+        for fqn in self.layouts:
+            p = self._module_params[fqn]
+            p.__class__ = ShardedParameter  # the same object: the model, autograd and Dynamo keep meeting it
+            p.fqn, p.read_gathered = fqn, self._read_gathered
 
-    def _gather_for_eager(self, owned: list) -> None:
-        if torch.compiler.is_compiling():
-            return
+    def _read_gathered(self, p: ShardedParameter) -> torch.Tensor:
+        """Parameter ``p`` whole for one eager read, differentiable to ``p``. The ranks first agree on what is read
+        (8 bytes), so a read on one rank only raises `RankMismatchError` on every rank at the others' next
+        agreement instead of meeting a collective of theirs."""
+        if self.ranks.size > 1:
+            ranks.verify_same(guards.key_hash({"eager read": (p.fqn,)}), "the parameter eager code reads",
+                              lambda: f"parameter {p.fqn} read by eager code", self.control_group)
         with collectives.recording() as records:
-            for fqn, p in owned:
-                if self.shards.gather_for_eager(p, fqn):
-                    self._gathered_for_eager[fqn] = p
+            full = GatheredForRead.apply(p, lambda: self.shards.gathered_value(p.fqn))
         self._pending += records
-
-    def _release_after_no_grad(self, owned: list) -> None:
-        if torch.compiler.is_compiling() or torch.is_grad_enabled():
-            return
-        for fqn, p in owned:
-            if self._gathered_for_eager.pop(fqn, None) is not None:
-                self.shards.release(p, fqn)
+        return full
 
     def _storage_index(self) -> dict[int, str]:
         """Where each parameter's memory is -> its name; stage 3's parameters hold none, and are known by identity."""
@@ -179,13 +169,6 @@ class Prepared:
             with collectives.recording() as records:
                 self._reduce_eager_gradients(eager)
             self._pending += records
-
-    def _release_gathered_for_eager(self) -> None:
-        """Before the update (after every backward that may read what autograd saved of them): stage 3's parameters
-        gathered for eager code hollow again."""
-        for fqn, p in self._gathered_for_eager.items():
-            self.shards.release(p, fqn)
-        self._gathered_for_eager = {}
 
     def _reduce_eager_gradients(self, eager: list[str]) -> None:
         grads = {fqn: self._module_params[fqn].grad for fqn in eager}

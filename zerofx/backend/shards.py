@@ -18,9 +18,9 @@ no ``param_dtype`` shard, its graphs gather casts of the master shards (``cast_p
 What the model's parameters are: at stages 1-2 views of the padded flat storage (so an update of a shard is an update
 of the parameter's chunk, and `gather_after_update`'s graph gathers the other ranks' chunks into the rest); at stage
 3 full-shaped tensors without memory, which Dynamo and autograd see as the parameters (shapes, strides, dtype) and
-which no compiled graph reads: each runs on the shards, gathering what it reads. A module whose forward runs
-eagerly has its own filled for it (`gather_for_eager`) until the update (`release`). Gradients autograd accumulated
-outside the compiled backwards, full-shaped, are reduced into the shards as a backward ends (`receive_eager_grads`).
+which no compiled graph reads: each runs on the shards, gathering what it reads; eager code reads their gathered
+values (`eager_reads`, `gathered_value`). Gradients autograd accumulated outside the compiled backwards,
+full-shaped, are reduced into the shards as a backward ends (`receive_eager_grads`).
 """
 
 from __future__ import annotations
@@ -113,13 +113,16 @@ class Shards:
         if self.stage < 3:
             yield
             return
-        for fqn, layout in self.layouts.items():
-            binding.params[fqn].data = gather_full(layout, self.graph_input(fqn), self.ranks.group).to(layout.dtype)
+        with torch._C.DisableTorchFunctionSubclass():  # `ShardedParameter` refuses writes from eager code
+            for fqn, layout in self.layouts.items():
+                full = gather_full(layout, self.graph_input(fqn), self.ranks.group).to(layout.dtype)
+                binding.params[fqn].data = full
         try:
             yield
         finally:
-            for fqn, layout in self.layouts.items():
-                binding.params[fqn].data = _hollow(layout, self.graph_input(fqn))
+            with torch._C.DisableTorchFunctionSubclass():
+                for fqn, layout in self.layouts.items():
+                    binding.params[fqn].data = _hollow(layout, self.graph_input(fqn))
 
     def graph_input(self, fqn: str) -> torch.Tensor:
         """Stage 3: what a compiled graph takes in place of parameter ``fqn``: this rank's shard (under mixed
@@ -159,21 +162,14 @@ class Shards:
             for layout, piece in zip(layouts, pieces):
                 self.receive_grad(layout.fqn, piece.view(layout.shape) if self.stage == 0 else piece)
 
-    def gather_for_eager(self, param: nn.Parameter, fqn: str) -> bool:
-        """Stage 3: fill the hollow parameter ``fqn`` (whose module eager code is about to run) with the gathered
-        full parameter; False where it is full already."""
-        if param.untyped_storage().nbytes():
-            return False
+    def gathered_value(self, fqn: str) -> torch.Tensor:
+        """Stage 3: parameter ``fqn`` whole, gathered from every rank's shard (under mixed precision from the casts of
+        the master shards, as the graphs gather), for an eager read (`eager_reads`). Every rank calls it."""
         layout = self.layouts[fqn]
-        shard = self.graph_input(fqn).to(layout.dtype)  # under mixed precision the master's cast, as graphs gather
+        shard = self.graph_input(fqn).to(layout.dtype)
         size = self.ranks.size
         full = collectives.wait(collectives.all_gather(shard, self.ranks.group_name, size)) if size > 1 else shard
-        param.data = layout.unpad(full)
-        return True
-
-    def release(self, param: nn.Parameter, fqn: str) -> None:
-        """Stage 3: the parameter hollow again (after the backward that may have read what autograd saved of it)."""
-        param.data = _hollow(self.layouts[fqn], self.graph_input(fqn))
+        return layout.unpad(full)
 
     def after_update(self, bucket_bytes: int | None) -> list[collectives.CollectiveRecord]:
         """After ``optimizer.step()``: under mixed precision (stages 0-2) the updated masters cast into the
