@@ -346,12 +346,17 @@ def eager_reads_between_steps(rank, world_size, steps=3):
     return {"held": held, "errors": errors}
 
 
-def eager_reads_differing_across_ranks(rank, world_size):
-    """Between steps at stage 3, rank 0 reads the final norm's weight and rank 1 its bias."""
+def eager_reads_differing_across_ranks(rank, world_size, alone: bool):
+    """Between steps at stage 3, rank 0 reads the final norm's weight, and rank 1 its bias (or, ``alone``, nothing:
+    it goes on to its next step, whose compiled forward agrees with the others before it gathers)."""
     model, opt = _compiled(*gpt_and_adamw(), stage=3)
     train_step(model, opt, *token_batch(0, rank))
     try:
-        (model.ln_f.weight if rank == 0 else model.ln_f.bias).sum()
+        if rank == 0:
+            model.ln_f.weight.sum()
+        elif not alone:
+            model.ln_f.bias.sum()
+        train_step(model, opt, *token_batch(1, rank))
     except RankMismatchError as e:
         return str(e)
     return None

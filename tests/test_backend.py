@@ -105,9 +105,13 @@ def test_stage_3_parameters_read_by_eager_code_between_steps_are_gathered_and_wr
             assert message is not None and "'ln_f.weight'" in message, (write, message)
 
 
-def test_stage_3_ranks_reading_different_parameters_eagerly_raise_on_every_rank(ranks2):
-    messages = ranks2.run(cases.eager_reads_differing_across_ranks)
-    assert all(m is not None and "ln_f.weight" in m and "ln_f.bias" in m for m in messages), messages
+@pytest.mark.parametrize("alone", [False, True])
+def test_stage_3_ranks_reading_different_parameters_eagerly_raise_on_every_rank(ranks2, alone):
+    """Ranks reading different parameters eagerly, or one rank reading while the other starts its next step, raise
+    `RankMismatchError` on every rank, where the gathers would meet different collectives (or wait)."""
+    messages = ranks2.run(cases.eager_reads_differing_across_ranks, alone=alone)
+    other = "forward" if alone else "ln_f.bias"
+    assert all(m is not None and "ln_f.weight" in m and other in m for m in messages), messages
 
 
 def test_ranks_compiling_different_graphs_raise_before_their_collectives_disagree(ranks2):

@@ -87,7 +87,7 @@ class Prepared:
     def _read_gathered(self, p: ShardedParameter) -> torch.Tensor:
         """Parameter ``p`` whole for one eager read, differentiable to ``p``. The ranks first agree on what is read
         (8 bytes), so a read on one rank only raises `RankMismatchError` on every rank at the others' next
-        agreement instead of meeting a collective of theirs."""
+        agreement (a compiled region's, before its first collective) instead of meeting a collective of theirs."""
         if self.ranks.size > 1:
             ranks.verify_same(guards.key_hash({"eager read": (p.fqn,)}), "the parameter eager code reads",
                               lambda: f"parameter {p.fqn} read by eager code", self.control_group)
