@@ -5,6 +5,8 @@ beside DDP running the same loop, and beside the whole-step path (``zerofx.compi
 are compared.
 """
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -253,8 +255,7 @@ EAGER_MODELS = {"head eager, embedding compiled": (_seeded(EagerHeadGPT), _whole
 
 
 def _evaluate_beside_ddp(compiled, model, ref_model, rank, stage, step):
-    """An evaluation between steps (eval mode, no gradients) gives DDP's loss; at stage 3 it leaves every
-    parameter without memory again (what eager module calls gathered is released as their forward ends)."""
+    """An evaluation between steps (eval mode, no gradients) gives DDP's loss."""
     model.eval()
     ref_model.eval()
     with torch.no_grad():
@@ -262,9 +263,6 @@ def _evaluate_beside_ddp(compiled, model, ref_model, rank, stage, step):
         torch.testing.assert_close(compiled(x, y).item(), ref_model(x, y).item(), rtol=1e-5, atol=0, msg="eval")
     model.train()
     ref_model.train()
-    if stage == 3:
-        full = [name for name, p in model.named_parameters() if p.untyped_storage().nbytes()]
-        assert not full, f"gathered after an evaluation: {full}"
 
 
 def eager_parameters_against_ddp(rank, world_size, stage, model, mixed_precision=False, steps=5):
@@ -310,9 +308,13 @@ def _write_errors(model) -> dict[str, str]:
     """What each way of writing into a stage-3 parameter from eager code raises (None where it does not)."""
     weight = model.ln_f.weight
     writes = {"mul_": lambda: weight.mul_(2), "+=": lambda: weight.__iadd__(1),
-              "init": lambda: torch.nn.init.ones_(weight), "setitem": lambda: weight.__setitem__(0, 1.0),
-              "foreach": lambda: torch._foreach_mul_([weight], 2.0), "out=": lambda: torch.add(weight, 1, out=weight),
-              ".data": lambda: weight.data}
+              "init, positional": lambda: torch.nn.init.ones_(weight),
+              "init, keyword": lambda: torch.nn.init.normal_(weight),
+              "setitem": lambda: weight.__setitem__(0, 1.0), "foreach": lambda: torch._foreach_mul_([weight], 2.0),
+              "out=": lambda: torch.add(weight, 1, out=weight), "aten overload": lambda: torch.ops.aten.add_.Tensor(
+                  weight, 1), "inplace=True": lambda: F.relu(weight, inplace=True),
+              "collective": lambda: torch.distributed.broadcast(weight, 0),
+              ".data =": lambda: setattr(weight, "data", torch.zeros_like(weight)), ".data read": lambda: weight.data}
     errors = {}
     with torch.no_grad():
         for name, write in writes.items():
@@ -325,25 +327,35 @@ def _write_errors(model) -> dict[str, str]:
 
 
 def eager_reads_between_steps(rank, world_size, steps=3):
-    """Stage 3: between steps, eager code reads every parameter (``named_parameters``, ``state_dict()``, a norm) and
-    gets DDP's values, gathered for the read and released after it; writes raise; training goes on as DDP's."""
+    """Stage 3: between steps, eager code reads every parameter (``named_parameters``, ``state_dict()``, a norm,
+    ``copy.deepcopy``) and gets DDP's values; ``model.to`` its own device changes nothing; writes raise, and the
+    parameters are as before them; ``load_state_dict`` of new values (DDP's model loads the same) writes them into
+    the shards: training goes on as DDP's."""
     ref_model, ref_opt = gpt_and_adamw()
-    model, opt = _compiled(*gpt_and_adamw(), stage=3)
-    _train_beside_ddp(model, opt, ref_model, ref_opt, train_step, rank, steps)
-    compiled, model = model, model._orig_mod
+    compiled, opt = _compiled(*gpt_and_adamw(), stage=3)
+    model = compiled._orig_mod
+    _train_beside_ddp(compiled, opt, ref_model, ref_opt, train_step, rank, steps)
     read = {name: p.detach().clone() for name, p in model.named_parameters()}
     reference = dict(ref_model.named_parameters())
     for name, value in read.items():
         torch.testing.assert_close(value, reference[name].detach(), rtol=1e-5, atol=2e-5, msg=name)
     state = model.state_dict()
+    copied = dict(copy.deepcopy(model).named_parameters())
     for name, value in read.items():
-        assert torch.equal(state[name], value), name
+        assert torch.equal(state[name], value) and torch.equal(copied[name], value), name
     norm = model.ln_f.weight.norm().item()
     torch.testing.assert_close(norm, ref_model.ln_f.weight.norm().item(), rtol=1e-5, atol=0)
-    held = [name for name, p in model.named_parameters() if p.untyped_storage().nbytes()]
+    assert model.to(model.ln_f.weight.device) is model
     errors = _write_errors(model)
-    _train_beside_ddp(compiled, opt, ref_model, ref_opt, train_step, rank, 1, first=steps)
-    return {"held": held, "errors": errors}
+    after = {name: p.detach() for name, p in model.named_parameters()}
+    assert all(torch.equal(after[name], value) for name, value in read.items()), "a refused write changed a value"
+    new_values = {name: value * 0.5 for name, value in ref_model.state_dict().items()}
+    with torch.no_grad():
+        model.load_state_dict(new_values)
+        ref_model.load_state_dict(new_values)
+    assert all(torch.equal(p.detach(), new_values[name]) for name, p in model.named_parameters())
+    _train_beside_ddp(compiled, opt, ref_model, ref_opt, train_step, rank, 2, first=steps)
+    return errors
 
 
 def eager_reads_differing_across_ranks(rank, world_size, alone: bool):

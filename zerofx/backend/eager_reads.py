@@ -1,25 +1,36 @@
-"""Stage 3 through the backend: what eager code reads when it reads a parameter.
+"""Stage 3 through the backend: what eager code meets when it uses a parameter.
 
 Between compiled graphs a stage-3 parameter keeps its shape but holds no memory (`zerofx.backend.shards`). Eager
-code reads such parameters: a module whose forward Dynamo leaves to eager, a parameter passed to a
-``torch._dynamo.disable``d function, a weight norm logged between steps. Each parameter is therefore a
-`ShardedParameter`: a ``torch.nn.Parameter`` whose ``__torch_function__`` hands a call made outside compiled code the
-gathered value in the parameter's place, as FSDP2's pre-forward hooks hand a module its unsharded parameters, but at
-the read itself, so a read outside the owning module's forward is covered too. The gathered value is a fresh
-tensor, differentiable to the parameter (its gradient, full-shaped, accumulates in ``.grad`` as autograd does it,
-and the backend reduces it as a backward ends), and lives as long as what the call returns or saves for backward
-needs it: nothing is filled and nothing must be released.
+code uses such parameters: a module whose forward Dynamo leaves to eager, a parameter passed to a
+``torch._dynamo.disable``d function, a weight norm logged or a state dict taken between steps, weights loaded.
+Each parameter is therefore a `ShardedParameter`: a ``torch.nn.Parameter`` whose ``__torch_function__`` handles a
+call made outside compiled code:
 
-Inside compiled code (``torch.compiler.is_compiling()``) the parameter passes through untouched, so Dynamo and
-AOTAutograd see it as before. Calls that read only metadata (shape, strides, ``.grad``, hooks) pass through too;
-calls that would write into the parameter raise, naming it, instead of writing into a copy that is then dropped.
+- a call that reads only metadata (shape, strides, ``.grad``, hooks, ``zeros_like``), a conversion that converts
+  nothing (``model.to(its device)``) and autograd's entry points get the parameter itself;
+- a call that reads values gets the gathered value in the parameter's place, as FSDP2's pre-forward hooks hand a
+  module its unsharded parameters, but at the read itself, so a read outside the owning module's forward is covered
+  too. The value is a fresh tensor, differentiable to the parameter (its gradient, full-shaped, accumulates in
+  ``.grad`` as autograd does it, and the backend reduces it as a backward ends), gathered once per call and alive
+  as long as what the call returns or saves for backward needs it: nothing fills and nothing must be released;
+- ``p.copy_(full)`` (``model.load_state_dict``) writes this rank's chunk of ``full`` into the shard;
+- any other write (``mul_``, ``nn.init.normal_``, ``inplace=True``, ``out=p``, an in-place collective, ``.data``)
+  raises, naming the parameter, where it would write into a copy that is then dropped.
+
+``copy.deepcopy`` and pickling give a plain parameter holding the gathered value. Inside compiled code
+(``torch.compiler.is_compiling()``) the parameter passes through untouched, so Dynamo and AOTAutograd see it as
+before. What the handler cannot see: views taken of a read's result and written later (``p.detach().zero_()``
+writes into the gathered copy), and paths that bypass ``__torch_function__`` (``torch.func`` transforms,
+``as_subclass``, DLPack).
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch._C._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.types import FrameAction, FrameExecStrategy
@@ -27,34 +38,75 @@ from torch.utils import _pytree as pytree
 
 Tensor = torch.Tensor
 
-# what a call may do with a parameter that holds no memory without reading it (Tensor properties other than the
-# ones below reach __torch_function__ as their descriptor's __get__ / __set__ and read no values either)
+# calls that use a parameter without reading its values (Tensor properties other than the aliasing ones below
+# reach __torch_function__ as their descriptor's __get__ / __set__ and read no values either)
 _METADATA = frozenset({
-    Tensor.size, Tensor.stride, Tensor.dim, Tensor.ndimension, Tensor.numel, Tensor.nelement, Tensor.element_size,
-    Tensor.storage_offset, Tensor.untyped_storage, Tensor.data_ptr, Tensor.is_contiguous, Tensor.is_floating_point,
-    Tensor.is_complex, Tensor.get_device, Tensor._is_view, Tensor.__hash__, Tensor.__len__, Tensor.requires_grad_,
-    Tensor.register_hook, Tensor.register_post_accumulate_grad_hook,
+    Tensor.size, Tensor.stride, Tensor.dim, Tensor.ndimension, Tensor.numel, torch.numel, Tensor.nelement,
+    Tensor.element_size, Tensor.storage_offset, Tensor.untyped_storage, Tensor.data_ptr, Tensor.is_contiguous,
+    Tensor.is_floating_point, Tensor.is_complex, Tensor.is_signed, Tensor.is_pinned, Tensor.is_shared,
+    Tensor.is_same_size, Tensor.dim_order, Tensor.get_device, Tensor._is_view, Tensor.__hash__, Tensor.__len__,
+    Tensor.requires_grad_, Tensor.register_hook, Tensor.register_post_accumulate_grad_hook,
+    Tensor.new_empty, Tensor.new_zeros, Tensor.new_ones, Tensor.new_full, torch.empty_like, torch.zeros_like,
+    torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.autograd.grad, torch.autograd.backward, Tensor.backward,
 })
-_ALIASING_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})  # they return the storage itself
+_ALIASING_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})  # views of the storage
 _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__set__"} | {f"__i{op}__" for op in (
     "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift")})
+_WRITING_COLLECTIVES = frozenset({  # torch.distributed functions that write into their first argument
+    "broadcast", "all_reduce", "reduce", "recv", "irecv", "scatter", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single"})
+_CONVERSIONS = {Tensor.to: None, Tensor.cpu: "cpu", Tensor.cuda: "cuda", Tensor.float: torch.float32,
+                Tensor.double: torch.float64, Tensor.half: torch.float16, Tensor.bfloat16: torch.bfloat16}
 
 
 class ShardedParameter(nn.Parameter):
-    """A stage-3 parameter of a prepared model: full-shaped, without memory outside compiled graphs; eager reads see
-    its gathered value (`read_gathered`, set by ``zerofx.prepare``)."""
+    """A stage-3 parameter of a prepared model: full-shaped, without memory outside compiled graphs. ``zerofx.prepare``
+    sets ``fqn``, ``read_gathered`` (the parameter whole, for one read) and ``write_full`` (a full value's chunk into
+    the shard)."""
 
-    read_gathered: Callable[[ShardedParameter], Tensor]
     fqn: str
+    read_gathered: Callable[[ShardedParameter], Tensor]
+    write_full: Callable[[ShardedParameter, Tensor], None]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            if not torch.compiler.is_compiling() and not _reads_no_values(func):
-                args, kwargs = pytree.tree_map_only(ShardedParameter, lambda p: _value_for(func, p, args, kwargs),
-                                                    (args, kwargs))
-            return func(*args, **kwargs)
+            if torch.compiler.is_compiling():  # first: Dynamo traces this handler, and must see nothing else of it
+                return func(*args, **kwargs)
+            hollow = _hollow_in(args, kwargs)
+            if not hollow or _uses_no_values(func, args, kwargs):
+                return func(*args, **kwargs)
+            if func is Tensor.copy_ and args[0] is hollow[0]:
+                return _copy_into(hollow[0], args[1])
+            if _writes(func, hollow, args, kwargs):
+                raise _write_error(_name(func), hollow[0])
+            if getattr(func, "__name__", None) == "__get__":
+                raise RuntimeError(
+                    f"zerofx stage 3: parameter {hollow[0].fqn!r} holds only this rank's shard outside compiled "
+                    f"code, so its {_name(func)} has no memory behind it; read the parameter itself (p.detach(), "
+                    "p * 1), which eager code receives gathered")
+            gathered = {id(p): p.read_gathered(p) for p in hollow}
+            versions = {key: value._version for key, value in gathered.items()}
+            args, kwargs = pytree.tree_map_only(ShardedParameter, lambda p: gathered.get(id(p), p), (args, kwargs))
+            result = func(*args, **kwargs)
+            for p in hollow:  # a write the name did not give away (inplace=True, max_norm=, an aten overload)
+                if gathered[id(p)]._version != versions[id(p)]:
+                    raise _write_error(_name(func), p)
+            return result
+
+    def __deepcopy__(self, memo):
+        return self._plain()
+
+    def __reduce_ex__(self, protocol):
+        return self._plain().__reduce_ex__(protocol)
+
+    def _plain(self) -> nn.Parameter:
+        """A plain parameter holding this one's value (gathered where it holds none)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            value = self.read_gathered(self) if not self.untyped_storage().nbytes() else self
+            return nn.Parameter(value.detach().clone(), self.requires_grad)
 
 
 # Called from eager code while a compiled model runs (from torch.nn's modules, which Dynamo leaves to eager), the
@@ -65,39 +117,84 @@ set_code_exec_strategy(ShardedParameter.__torch_function__.__func__.__code__,
                        FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
-def _reads_no_values(func) -> bool:
+def _hollow_in(args, kwargs) -> list[ShardedParameter]:
+    """The parameters among the arguments that hold no memory (each once, in order)."""
+    found = collections.OrderedDict()
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, ShardedParameter) and not leaf.untyped_storage().nbytes():
+            found.setdefault(id(leaf), leaf)
+    return list(found.values())
+
+
+def _name(func) -> str:
+    """What the messages call ``func``: a property's assignment as ``.data =``."""
+    name = getattr(func, "__name__", repr(func))
+    if name in ("__get__", "__set__", "__delete__"):
+        return f"`.{func.__self__.__name__}{' =' if name == '__set__' else ''}`"
+    return name
+
+
+def _uses_no_values(func, args, kwargs) -> bool:
     if func in _METADATA:
         return True
-    descriptor = getattr(func, "__self__", None)
-    return (getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__")
-            and getattr(descriptor, "__name__", None) not in _ALIASING_PROPERTIES)
+    if func is Tensor.type:
+        return len(args) == 1 and not kwargs  # the type's name
+    if func in _CONVERSIONS:
+        return _converts_nothing(func, args, kwargs)
+    name, descriptor = getattr(func, "__name__", ""), getattr(func, "__self__", None)
+    if name == "__set__" and getattr(descriptor, "__name__", None) == "data":
+        return args[1] is args[0]  # `param.data = param` (Module._apply after a conversion that converted nothing)
+    return name in ("__get__", "__set__", "__delete__") and getattr(descriptor, "__name__", None) not in \
+        _ALIASING_PROPERTIES
 
 
-def _value_for(func, p: ShardedParameter, args, kwargs) -> Tensor:
-    """What ``func`` gets in place of ``p``: ``p`` itself where it holds its full value (a whole-graph run gathered
-    it, `Shards.gathered`), else its gathered value; a write raises."""
-    if p.untyped_storage().nbytes():
-        return p
-    name = getattr(func, "__name__", repr(func))
-    if _writes(func, name, p, args, kwargs):
-        raise RuntimeError(
-            f"zerofx stage 3: {name} would write into parameter {p.fqn!r}, which outside compiled code holds only "
-            "this rank's shard; write to the parameters before zerofx.prepare, or load them with "
-            "zerofx.load_state_dict")
-    if name == "__get__":
-        raise RuntimeError(
-            f"zerofx stage 3: parameter {p.fqn!r} holds only this rank's shard outside compiled code, so its "
-            f"`.{func.__self__.__name__}` has no memory behind it; read the parameter itself (p.detach(), p * 1), "
-            "which eager code receives gathered")
-    return p.read_gathered(p)
+def _converts_nothing(func, args, kwargs) -> bool:
+    p, target = args[0], _CONVERSIONS[func]
+    if func is Tensor.to:
+        flags = [a for a in args[1:] if isinstance(a, bool)]  # non_blocking, then copy
+        if kwargs.get("copy") or (len(flags) == 2 and flags[1]):
+            return False
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+        return (device is None or device == p.device) and dtype in (None, p.dtype) and \
+            memory_format in (None, torch.preserve_format)
+    if isinstance(target, torch.dtype):
+        return p.dtype == target and len(args) == 1 and not kwargs
+    if target == "cpu" or p.device.type != target:
+        return p.device.type == target
+    device = args[1] if len(args) > 1 else kwargs.get("device")
+    if device is None:
+        device = torch.cuda.current_device()
+    return p.device == (torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
 
 
-def _writes(func, name: str, p: ShardedParameter, args, kwargs) -> bool:
-    """Whether ``func`` writes into ``p``: an in-place method or function (``mul_``, ``+=``, ``x[i] = ``, a
-    ``torch._foreach_*_`` over a list holding it, ``.data = ``), or ``out=p``."""
-    in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
-    written = pytree.tree_leaves(args[0]) if in_place and args else []
-    return any(t is p for t in [*written, *pytree.tree_leaves(kwargs.get("out"))])
+def _writes(func, hollow: list[ShardedParameter], args, kwargs) -> bool:
+    """Whether ``func`` would write into one of ``hollow``: an in-place method or function (``mul_``, ``+=``,
+    ``x[i] = ``, ``nn.init.normal_(tensor=p)``, a ``torch._foreach_*_`` over a list holding it, an aten overload
+    ``add_.Tensor``), an in-place collective, ``.data = ``, or ``out=p``."""
+    base = getattr(func, "__name__", "").split(".")[0]
+    in_place = (base.endswith("_") and not base.endswith("__")) or base in _IN_PLACE_DUNDERS or (
+        base in _WRITING_COLLECTIVES and getattr(func, "__module__", "").startswith(dist.__name__))
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    written = pytree.tree_leaves(first) if in_place else []
+    return any(t is p for p in hollow for t in [*written, *pytree.tree_leaves(kwargs.get("out"))])
+
+
+def _copy_into(p: ShardedParameter, source) -> ShardedParameter:
+    """``p.copy_(source)``: ``source`` is ``p``'s new value whole (``model.load_state_dict``), so this rank's chunk of it
+    goes into the shard and nothing is gathered."""
+    if torch.is_grad_enabled() and p.requires_grad:
+        raise RuntimeError(f"a leaf Variable that requires grad ({p.fqn!r}) is being used in an in-place operation")
+    if isinstance(source, ShardedParameter) and not source.untyped_storage().nbytes():
+        source = source.read_gathered(source)
+    p.write_full(p, torch.as_tensor(source).expand(p.shape))
+    return p
+
+
+def _write_error(name: str, p: ShardedParameter) -> RuntimeError:
+    return RuntimeError(
+        f"zerofx stage 3: {name} would write into parameter {p.fqn!r}, which outside compiled code holds only this "
+        "rank's shard (the write would land in a gathered copy and be lost); write to the parameters before "
+        "zerofx.prepare, or load full values with model.load_state_dict or param.copy_")
 
 
 class GatheredForRead(torch.autograd.Function):

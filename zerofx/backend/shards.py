@@ -108,8 +108,9 @@ class Shards:
 
     @contextlib.contextmanager
     def gathered(self, binding: StepBinding):
-        """Stage 3: the parameters full inside the block (for code that runs the model without the backend, which
-        would read parameters that hold nothing), and without memory again after it."""
+        """Stage 3: the parameters full inside the block (for Dynamo run with another backend, ``graph_breaks``'s
+        ``explain``, whose graphs would otherwise read the parameters, not the shards), and without memory again
+        after it."""
         if self.stage < 3:
             yield
             return
@@ -169,7 +170,14 @@ class Shards:
         shard = self.graph_input(fqn).to(layout.dtype)
         size = self.ranks.size
         full = collectives.wait(collectives.all_gather(shard, self.ranks.group_name, size)) if size > 1 else shard
-        return layout.unpad(full)
+        return layout.unpad(full if size > 1 else full.clone())  # never the shard itself, which the optimizer updates
+
+    def write_full(self, fqn: str, full: torch.Tensor) -> None:
+        """Stage 3: this rank's chunk of ``full`` (parameter ``fqn``'s new value, whole) into its shard (under mixed
+        precision into the fp32 master, so the graphs gather its cast as they gather an updated one)."""
+        layout, shard = self.layouts[fqn], self.graph_input(fqn)
+        with torch.no_grad():
+            shard.copy_(layout.shard_of(full.to(shard.device), self.ranks.rank))
 
     def after_update(self, bucket_bytes: int | None) -> list[collectives.CollectiveRecord]:
         """After ``optimizer.step()``: under mixed precision (stages 0-2) the updated masters cast into the
