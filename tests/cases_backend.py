@@ -314,7 +314,8 @@ def _write_errors(model) -> dict[str, str]:
               "out=": lambda: torch.add(weight, 1, out=weight), "aten overload": lambda: torch.ops.aten.add_.Tensor(
                   weight, 1), "inplace=True": lambda: F.relu(weight, inplace=True),
               "collective": lambda: torch.distributed.broadcast(weight, 0),
-              ".data =": lambda: setattr(weight, "data", torch.zeros_like(weight)), ".data read": lambda: weight.data}
+              ".data = another dtype": lambda: setattr(weight, "data", torch.zeros_like(weight, dtype=torch.float64)),
+              ".data read": lambda: weight.data}
     errors = {}
     with torch.no_grad():
         for name, write in writes.items():
@@ -327,10 +328,10 @@ def _write_errors(model) -> dict[str, str]:
 
 
 def eager_reads_between_steps(rank, world_size, steps=3):
-    """Stage 3: between steps, eager code reads every parameter (``named_parameters``, ``state_dict()``, a norm,
-    ``copy.deepcopy``) and gets DDP's values; ``model.to`` its own device changes nothing; writes raise, and the
-    parameters are as before them; ``load_state_dict`` of new values (DDP's model loads the same) writes them into
-    the shards: training goes on as DDP's."""
+    """Stage 3: between steps, eager code reads every parameter (``named_parameters``, ``state_dict()``, also under
+    ``inference_mode``, a norm, ``.T``, ``copy.deepcopy``) and gets DDP's values; ``.to`` its own device changes
+    nothing; writes raise, and the parameters are as before them; ``load_state_dict`` and ``.data =`` of new values
+    (DDP's model loads the same) write them into the shards: training goes on as DDP's."""
     ref_model, ref_opt = gpt_and_adamw()
     compiled, opt = _compiled(*gpt_and_adamw(), stage=3)
     model = compiled._orig_mod
@@ -345,13 +346,19 @@ def eager_reads_between_steps(rank, world_size, steps=3):
         assert torch.equal(state[name], value) and torch.equal(copied[name], value), name
     norm = model.ln_f.weight.norm().item()
     torch.testing.assert_close(norm, ref_model.ln_f.weight.norm().item(), rtol=1e-5, atol=0)
-    assert model.to(model.ln_f.weight.device) is model
+    assert torch.equal(model.wte.weight.T, read["wte.weight"].T)
+    with torch.inference_mode():
+        assert torch.equal(model.state_dict()["ln_f.weight"], read["ln_f.weight"])
+    device = model.ln_f.weight.device
+    assert model.to(device) is model and model.ln_f.weight.to(device, copy=False) is model.ln_f.weight
     errors = _write_errors(model)
     after = {name: p.detach() for name, p in model.named_parameters()}
     assert all(torch.equal(after[name], value) for name, value in read.items()), "a refused write changed a value"
     new_values = {name: value * 0.5 for name, value in ref_model.state_dict().items()}
+    new_values["ln_f.bias"] = new_values["ln_f.bias"] + 1  # assigned to .data below, as HF's _adjust_bias does
     with torch.no_grad():
-        model.load_state_dict(new_values)
+        model.load_state_dict({**new_values, "ln_f.bias": model.ln_f.bias.detach()})
+        model.ln_f.bias.data = new_values["ln_f.bias"]
         ref_model.load_state_dict(new_values)
     assert all(torch.equal(p.detach(), new_values[name]) for name, p in model.named_parameters())
     _train_beside_ddp(compiled, opt, ref_model, ref_opt, train_step, rank, 2, first=steps)

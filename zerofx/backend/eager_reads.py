@@ -13,9 +13,11 @@ call made outside compiled code:
   too. The value is a fresh tensor, differentiable to the parameter (its gradient, full-shaped, accumulates in
   ``.grad`` as autograd does it, and the backend reduces it as a backward ends), gathered once per call and alive
   as long as what the call returns or saves for backward needs it: nothing fills and nothing must be released;
-- ``p.copy_(full)`` (``model.load_state_dict``) writes this rank's chunk of ``full`` into the shard;
-- any other write (``mul_``, ``nn.init.normal_``, ``inplace=True``, ``out=p``, an in-place collective, ``.data``)
-  raises, naming the parameter, where it would write into a copy that is then dropped.
+- ``p.copy_(full)`` (``model.load_state_dict``) and ``p.data = full`` (of ``p``'s dtype and device) write this rank's
+  chunk of ``full`` into the shard;
+- any other write (``mul_``, ``nn.init.normal_``, ``inplace=True``, ``out=p``, an in-place collective, ``.data =`` of
+  another dtype) raises, naming the parameter, where it would write into a copy that is then dropped; so does
+  reading ``.data``, through which such writes are usually made (``p.data.normal_()``).
 
 ``copy.deepcopy`` and pickling give a plain parameter holding the gathered value. Inside compiled code
 (``torch.compiler.is_compiling()``) the parameter passes through untouched, so Dynamo and AOTAutograd see it as
@@ -50,7 +52,7 @@ _METADATA = frozenset({
     torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like, torch.randint_like,
     torch.autograd.grad, torch.autograd.backward, Tensor.backward,
 })
-_ALIASING_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})  # views of the storage
+_ALIASING_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})  # views: they read values
 _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__set__"} | {f"__i{op}__" for op in (
     "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift")})
 _WRITING_COLLECTIVES = frozenset({  # torch.distributed functions that write into their first argument
@@ -80,19 +82,22 @@ class ShardedParameter(nn.Parameter):
                 return func(*args, **kwargs)
             if func is Tensor.copy_ and args[0] is hollow[0]:
                 return _copy_into(hollow[0], args[1])
+            if _assigns_new_value(func, args):
+                hollow[0].write_full(hollow[0], args[1])
+                return None
             if _writes(func, hollow, args, kwargs):
                 raise _write_error(_name(func), hollow[0])
-            if getattr(func, "__name__", None) == "__get__":
+            if _property(func) == ("__get__", "data"):
                 raise RuntimeError(
                     f"zerofx stage 3: parameter {hollow[0].fqn!r} holds only this rank's shard outside compiled "
                     f"code, so its {_name(func)} has no memory behind it; read the parameter itself (p.detach(), "
                     "p * 1), which eager code receives gathered")
             gathered = {id(p): p.read_gathered(p) for p in hollow}
-            versions = {key: value._version for key, value in gathered.items()}
+            versions = _versions(gathered)
             args, kwargs = pytree.tree_map_only(ShardedParameter, lambda p: gathered.get(id(p), p), (args, kwargs))
             result = func(*args, **kwargs)
             for p in hollow:  # a write the name did not give away (inplace=True, max_norm=, an aten overload)
-                if gathered[id(p)]._version != versions[id(p)]:
+                if versions and gathered[id(p)]._version != versions[id(p)]:
                     raise _write_error(_name(func), p)
             return result
 
@@ -126,6 +131,29 @@ def _hollow_in(args, kwargs) -> list[ShardedParameter]:
     return list(found.values())
 
 
+def _property(func) -> tuple[str, str | None]:
+    """(``__get__``/``__set__``/..., the property's name) for a Tensor property's accessor, else (name, None)."""
+    name = getattr(func, "__name__", "")
+    return name, getattr(getattr(func, "__self__", None), "__name__", None) if name.startswith("__") else None
+
+
+def _versions(gathered: dict[int, Tensor]) -> dict[int, int]:
+    """The gathered values' version counters (none under inference mode, whose tensors keep none)."""
+    if torch.is_inference_mode_enabled():
+        return {}
+    return {key: value._version for key, value in gathered.items()}
+
+
+def _assigns_new_value(func, args) -> bool:
+    """``p.data = value`` where ``value`` is ``p``'s new value whole, in its dtype and on its device (HF's
+    ``_adjust_bias``, ``vector_to_parameters``): a write of the whole value, as ``copy_`` is. A ``value`` of another
+    dtype or device (``model.half()``) would change the parameter, not its value, and is refused as a write."""
+    if _property(func) != ("__set__", "data"):
+        return False
+    p, value = args
+    return isinstance(value, Tensor) and (value.shape, value.dtype, value.device) == (p.shape, p.dtype, p.device)
+
+
 def _name(func) -> str:
     """What the messages call ``func``: a property's assignment as ``.data =``."""
     name = getattr(func, "__name__", repr(func))
@@ -151,20 +179,29 @@ def _uses_no_values(func, args, kwargs) -> bool:
 def _converts_nothing(func, args, kwargs) -> bool:
     p, target = args[0], _CONVERSIONS[func]
     if func is Tensor.to:
-        flags = [a for a in args[1:] if isinstance(a, bool)]  # non_blocking, then copy
-        if kwargs.get("copy") or (len(flags) == 2 and flags[1]):
-            return False
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
-        return (device is None or device == p.device) and dtype in (None, p.dtype) and \
+        kwargs = dict(kwargs)
+        copies = kwargs.pop("copy", False)
+        positional = list(args[1:])
+        flags = [i for i, a in enumerate(positional) if isinstance(a, bool)]  # non_blocking, then copy
+        if len(flags) == 2:
+            copies = positional.pop(flags[1])
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*positional, **kwargs)
+        return not copies and (device is None or _same_device(device, p)) and dtype in (None, p.dtype) and \
             memory_format in (None, torch.preserve_format)
     if isinstance(target, torch.dtype):
         return p.dtype == target and len(args) == 1 and not kwargs
-    if target == "cpu" or p.device.type != target:
-        return p.device.type == target
+    if target == "cpu":
+        return p.device.type == "cpu"
     device = args[1] if len(args) > 1 else kwargs.get("device")
-    if device is None:
-        device = torch.cuda.current_device()
-    return p.device == (torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
+    return _same_device(torch.device("cuda", device) if isinstance(device, int) else device or "cuda", p)
+
+
+def _same_device(device, p: Tensor) -> bool:
+    """Whether ``device`` names ``p``'s device (``"cuda"`` names the current one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device == p.device
 
 
 def _writes(func, hollow: list[ShardedParameter], args, kwargs) -> bool:
