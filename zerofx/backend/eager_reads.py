@@ -69,7 +69,7 @@ class ShardedParameter(nn.Parameter):
 
     fqn: str
     read_gathered: Callable[[ShardedParameter], Tensor]
-    write_full: Callable[[ShardedParameter, Tensor], None]
+    write_full: Callable[[str, Tensor], None]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -77,13 +77,15 @@ class ShardedParameter(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             if torch.compiler.is_compiling():  # first: Dynamo traces this handler, and must see nothing else of it
                 return func(*args, **kwargs)
+            if _uses_no_values(func, args, kwargs):  # before the walk over the arguments: `.grad` comes every step
+                return func(*args, **kwargs)
             hollow = _hollow_in(args, kwargs)
-            if not hollow or _uses_no_values(func, args, kwargs):
+            if not hollow:
                 return func(*args, **kwargs)
             if func is Tensor.copy_ and args[0] is hollow[0]:
                 return _copy_into(hollow[0], args[1])
             if _assigns_new_value(func, args):
-                hollow[0].write_full(hollow[0], args[1])
+                hollow[0].write_full(hollow[0].fqn, args[1])
                 return None
             if _writes(func, hollow, args, kwargs):
                 raise _write_error(_name(func), hollow[0])
@@ -156,10 +158,10 @@ def _assigns_new_value(func, args) -> bool:
 
 def _name(func) -> str:
     """What the messages call ``func``: a property's assignment as ``.data =``."""
-    name = getattr(func, "__name__", repr(func))
-    if name in ("__get__", "__set__", "__delete__"):
-        return f"`.{func.__self__.__name__}{' =' if name == '__set__' else ''}`"
-    return name
+    accessor, attribute = _property(func)
+    if accessor in ("__get__", "__set__", "__delete__"):
+        return f"`.{attribute}{' =' if accessor == '__set__' else ''}`"
+    return getattr(func, "__name__", repr(func))
 
 
 def _uses_no_values(func, args, kwargs) -> bool:
@@ -169,11 +171,10 @@ def _uses_no_values(func, args, kwargs) -> bool:
         return len(args) == 1 and not kwargs  # the type's name
     if func in _CONVERSIONS:
         return _converts_nothing(func, args, kwargs)
-    name, descriptor = getattr(func, "__name__", ""), getattr(func, "__self__", None)
-    if name == "__set__" and getattr(descriptor, "__name__", None) == "data":
+    accessor, attribute = _property(func)
+    if (accessor, attribute) == ("__set__", "data"):
         return args[1] is args[0]  # `param.data = param` (Module._apply after a conversion that converted nothing)
-    return name in ("__get__", "__set__", "__delete__") and getattr(descriptor, "__name__", None) not in \
-        _ALIASING_PROPERTIES
+    return accessor in ("__get__", "__set__", "__delete__") and attribute not in _ALIASING_PROPERTIES
 
 
 def _converts_nothing(func, args, kwargs) -> bool:
@@ -223,7 +224,7 @@ def _copy_into(p: ShardedParameter, source) -> ShardedParameter:
         raise RuntimeError(f"a leaf Variable that requires grad ({p.fqn!r}) is being used in an in-place operation")
     if isinstance(source, ShardedParameter) and not source.untyped_storage().nbytes():
         source = source.read_gathered(source)
-    p.write_full(p, torch.as_tensor(source).expand(p.shape))
+    p.write_full(p.fqn, torch.as_tensor(source).expand(p.shape))
     return p
 
 

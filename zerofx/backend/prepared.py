@@ -85,7 +85,7 @@ class Prepared:
                 raise NotImplementedError(f"zerofx.prepare: parameter {fqn!r} is a {type(p).__name__}; stage 3 through "
                                           "the backend takes plain torch.nn.Parameter objects")
             p.__class__ = ShardedParameter  # the same object: the model, autograd and Dynamo keep meeting it
-            p.fqn, p.read_gathered, p.write_full = fqn, self._read_gathered, self._write_full
+            p.fqn, p.read_gathered, p.write_full = fqn, self._read_gathered, self.shards.write_full
 
     def _read_gathered(self, p: ShardedParameter) -> torch.Tensor:
         """Parameter ``p`` whole for one eager read, differentiable to ``p``. The ranks first agree on what is read
@@ -98,11 +98,6 @@ class Prepared:
             full = GatheredForRead.apply(p, lambda: self.shards.gathered_value(p.fqn))
         self._pending += records
         return full
-
-    def _write_full(self, p: ShardedParameter, full: torch.Tensor) -> None:
-        """Parameter ``p``'s new value, whole (``p.copy_(full)`` from eager code: ``model.load_state_dict``): this
-        rank's chunk of it into the shard; no collective."""
-        self.shards.write_full(p.fqn, full)
 
     def _storage_index(self) -> dict[int, str]:
         """Where each parameter's memory is -> its name; stage 3's parameters hold none, and are known by identity."""
