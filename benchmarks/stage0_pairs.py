@@ -82,6 +82,8 @@ def worker(variant: str | None, rank: int, world: int, rendezvous: str, text: st
     slowest = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     done.put((rank, (slowest.tolist(), faults / len(seconds)) if rank == 0 else None))
+    done.close()
+    done.join_thread()  # delivered before leaving the group: gloo's teardown can hang holding the interpreter's lock
     dist.destroy_process_group()
 
 

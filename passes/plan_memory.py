@@ -1,8 +1,12 @@
 """M_D: the step's intermediate buffers become views into one arena, allocated once and reused every step.
 
 From the final graph's lifetimes (`zerofx.memory.lifetimes`), each buffer an ATen op allocates fresh (one contiguous
-tensor, not returned by the step, not the step's input) is planned, when the op has an ``out=`` variant: the op then
-writes into its slot of the arena, a view at the planned offset. Buffers alive at the same time never share a byte
+tensor, not the step's input, not returned by the step except as a ``.grad``) is planned, when the op has an ``out=``
+variant: the op then writes into its slot of the arena, a view at the planned offset. The gradients a step leaves in
+``.grad`` (stage 0's reduced buckets) stay in the arena after it, so a step does not ask the allocator for them
+again; the runtime moves the arena aside when anything still holds them as the next step starts
+(`zerofx.runtime.SharedArena`). A step that reads incoming gradients returns its own outside the arena: the next
+call, which reads them, would otherwise have to copy them out first. Buffers alive at the same time never share a byte
 (`zerofx.memory.plan`), so long- and short-lived tensors never interleave in an allocator's free lists, and a step asks
 the allocator only for what is not planned. The arena is one joint plan or one pool per lifetime class, whichever is
 smaller (`zerofx.memory.pools`). What is left to the allocator (collectives' results, ops returning
@@ -23,7 +27,7 @@ from zerofx.memory.lifetimes import Lifetime, lifetimes, live_bytes, step_device
 from zerofx.memory.pools import place, slot_view
 from zerofx.passes.context import PassContext
 from zerofx.passes.graph_edit import add_call, fake_mode_of
-from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot
+from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, StepGraph
 
 aten = torch.ops.aten
 ALIGNMENT = 64  # bytes: every slot starts on a cache line (and on any dtype's alignment)
@@ -45,8 +49,9 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if not span.is_input and span.device == device:  # host copies (offloaded checkpoints) stay apart
             by_node.setdefault(span.node, []).append(span)
     chosen, others, left = [], [], Counter()
+    grads_stay = not StepGraph(gm).placeholders(Role.GRAD_IN)
     for name, spans in by_node.items():
-        reason = _why_not(nodes[name], spans, len(nodes))
+        reason = _why_not(nodes[name], spans, len(nodes), grads_stay)
         if reason is None:
             chosen.append(spans)
         else:
@@ -63,10 +68,11 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     arena = _arena_placeholder(graph, placed.arena_bytes, chosen[0].device,
                                [(val, offset) for node, node_offsets in planned
                                 for val, offset in zip(_outputs(node), node_offsets)])
-    slot = 0
+    slot, written = 0, set()
     for node, node_offsets in planned:
-        _write_into_slots(graph, node, arena, range(slot, slot + len(node_offsets)))
+        written.add(_write_into_slots(graph, node, arena, range(slot, slot + len(node_offsets))))
         slot += len(node_offsets)
+    _return_aliases_of_slots(graph, written)
     ctx.artifacts["arena_bytes"] = placed.arena_bytes
     ctx.artifacts["memory_plan"] = PlannedMemory(len(chosen), sum(s.nbytes for s in chosen), placed.arena_bytes,
                                                  placed.lower_bound_bytes, dict(left), placed.layout,
@@ -88,12 +94,13 @@ class PlannedMemory:
     arena_bytes_by_layout: dict[str, int]
 
 
-def _why_not(node: fx.Node, spans: list[Lifetime], end_of_step: int) -> str | None:
-    """None if ``node``'s outputs can live in the arena, else why not (the report's reason)."""
+def _why_not(node: fx.Node, spans: list[Lifetime], end_of_step: int, grads_stay: bool) -> str | None:
+    """None if ``node``'s outputs can live in the arena, else why not (the report's reason). ``grads_stay``: what
+    the step returns only as ``.grad`` may (the step reads no incoming gradient)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return "a collective or other call"
-    if any(s.end >= end_of_step for s in spans):
-        return "returned by the step"  # the next step would overwrite it
+    if any(s.end >= end_of_step and not (grads_stay and s.returned_as == {Role.GRAD_OUT}) for s in spans):
+        return "returned by the step"  # kept by the caller: a loss in a list would hold the arena
     vals = _outputs(node)
     if len(vals) != len(spans):
         return "outputs that are not tensors"
@@ -172,7 +179,7 @@ def _arena_placeholder(graph: fx.Graph, nbytes: int, device: torch.device,
     return arena
 
 
-def _write_into_slots(graph: fx.Graph, node: fx.Node, arena: fx.Node, slots: range) -> None:
+def _write_into_slots(graph: fx.Graph, node: fx.Node, arena: fx.Node, slots: range) -> fx.Node:
     variant, out_names = _out_variant(node.target)
     outs = {}
     with graph.inserting_before(node):
@@ -183,3 +190,17 @@ def _write_into_slots(graph: fx.Graph, node: fx.Node, arena: fx.Node, slots: ran
     written.meta.update(node.meta)
     node.replace_all_uses_with(written)
     graph.erase_node(node)
+    return written
+
+
+def _return_aliases_of_slots(graph: fx.Graph, written: set[fx.Node]) -> None:
+    """A planned buffer the step returns (a ``.grad``) is returned as an alias, not as the slot itself (what an
+    ``out=`` variant returns): the runtime tells the caller's tensors from its own slots by counting them."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    for i, value in enumerate(values):
+        slot = value.args[0] if isinstance(value, fx.Node) and value.target is operator.getitem else value
+        if slot in written:
+            with graph.inserting_before(output):
+                values[i] = add_call(graph, aten.alias.default, (value,), like=value, val=value.meta["val"])
+    output.args = (values,)

@@ -173,8 +173,9 @@ def _kept_after_a_step(**options):
 
 def test_stage_0_plans_its_memory_by_default_keeps_it_between_steps_and_releases_it():
     """Stage 0 writes its intermediates into the arena unless told otherwise, stages 1-3 only when asked. A planned
-    step keeps its arena (and its scalar operands) alive between steps: measured on live storages, what it keeps
-    beyond the unplanned step is ``held_plan_bytes``; ``release_arena`` frees the arena until the next step."""
+    step keeps its arena (and its scalar operands) alive between steps, with the gradients it left in ``.grad``
+    inside it: measured on live storages, what it keeps beyond the unplanned step is ``held_plan_bytes`` less those
+    gradients, which the unplanned step keeps apart; ``release_arena`` frees the arena until the next step."""
     assert [zerofx.compile(train_step, stage=s).config.memory_plan for s in range(4)] == [True, False, False, False]
     assert not zerofx.compile(train_step, memory_plan=False).config.memory_plan
     assert zerofx.compile(train_step, stage=3, memory_plan=True).config.memory_plan
@@ -183,10 +184,55 @@ def test_stage_0_plans_its_memory_by_default_keeps_it_between_steps_and_releases
     planned, planned_state, planned_loss, planned_kept = _kept_after_a_step()
     unplanned, unplanned_state, unplanned_loss, unplanned_kept = _kept_after_a_step(memory_plan=False)
     held = planned.stats().held_plan_bytes
+    in_arena = [name for name, p in planned_state[0].named_parameters() if planned._arena.holds(p.grad)]
+    assert in_arena  # those the plan did not leave to the allocator
+    grads = dict(unplanned_state[0].named_parameters())
     assert planned_loss == unplanned_loss and unplanned.stats().held_plan_bytes == 0
-    assert planned_kept - unplanned_kept == held > 0
+    assert planned_kept - unplanned_kept == held - sum(grads[n].grad.untyped_storage().nbytes() for n in in_arena) > 0
     planned.release_arena()
     assert 0 < planned.stats().held_plan_bytes < held  # the scalar operands stay with the graph
     batch = token_batch(1, 0)
     assert planned(*planned_state, *batch).item() == unplanned(*unplanned_state, *batch).item()
     assert planned.stats().held_plan_bytes == held
+
+
+def test_a_gradient_kept_from_the_last_planned_step_is_not_overwritten_by_the_next():
+    """The arena holds the gradients a stage-0 step leaves; one the caller still holds when the next step starts
+    keeps its values (the step plans into new bytes), whether the next step drops ``.grad`` first (``zero_grad()``
+    inside it), reads it (``zero_grad(set_to_none=False)`` after the step), or the caller holds a view of it. With
+    nothing kept, every step reuses the same arena (a step that reads the gradients first takes them out of it)."""
+
+    def zero_after_step(model, opt, x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return loss
+
+    for step_fn in (train_step, zero_after_step):
+        runs = []
+        for memory_plan in (False, True):
+            model, opt = gpt_and_adamw()
+            step = zerofx.compile(step_fn, memory_plan=memory_plan)
+            kept, kept_values, losses = [], [], []
+            for i in range(4):
+                losses.append(step(model, opt, *token_batch(i, 0)).item())
+                weight = model.blocks[0].attn.qkv.weight
+                grad = weight.grad if i % 2 else weight.grad[1:3]
+                if i == 0:
+                    assert step._arena.holds(grad) == memory_plan
+                kept.append(grad)
+                kept_values.append(grad.clone())
+            assert all(torch.equal(g, v) for g, v in zip(kept, kept_values)), (step_fn.__name__, memory_plan)
+            runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+        (want_losses, want_params), (losses, params) = runs
+        assert losses == want_losses and all(map(torch.equal, params, want_params)), step_fn.__name__
+        model, opt = gpt_and_adamw()
+        step = zerofx.compile(step_fn)
+        arenas = []
+        for i in range(4):
+            step(model, opt, *token_batch(i, 0))
+            arenas.append(step._arena._raw.data_ptr())  # nothing kept: every step reuses the same bytes
+        assert len(set(arenas)) == 1, step_fn.__name__
+
+

@@ -344,7 +344,8 @@ class CompiledStep:
 
     def release_arena(self) -> None:
         """Free the arena ``memory_plan`` keeps between steps (before evaluation or other work outside the step,
-        say); the next step allocates it again."""
+        say); the next step allocates it again. Gradients the last step left in it keep its bytes until they are
+        dropped (``zero_grad()``)."""
         self._arena.release()
 
     def stats(self) -> StepStats:

@@ -33,16 +33,20 @@ from zerofx.units import UnitRule
 
 class SharedArena:
     """The bytes every cached graph of one compiled step writes its planned buffers into (``memory_plan``). Their
-    runs never overlap and no planned buffer outlives a run (what a step returns is never planned), so one buffer as
-    large as the largest plan serves them all: an eval-mode or short-batch trace adds no arena of its own."""
+    runs never overlap, so one buffer as large as the largest plan serves them all: an eval-mode or short-batch trace
+    adds no arena of its own. Only the gradients a step leaves in ``.grad`` outlive its run; a run that finds
+    anything still holding the bytes (last step's ``.grad`` kept by the caller) leaves them to their holder and
+    takes new ones."""
 
     def __init__(self):
         self._raw: torch.Tensor | None = None
-        # by graph (an evicted graph's go with it): its slots, views of ``_raw``
-        self._slots: weakref.WeakKeyDictionary[fx.Graph, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+        # by graph (an evicted graph's go with it): its slots, views of ``_raw``, and how many tensors they take
+        # (a slot is a view of a view: two)
+        self._slots: weakref.WeakKeyDictionary[fx.Graph, tuple[list[torch.Tensor], int]] = weakref.WeakKeyDictionary()
 
     def release(self) -> None:
-        """Free the bytes; the next graph to run allocates them again."""
+        """Let the bytes go (at once, unless a ``.grad`` still views them); the next graph to run allocates them
+        again."""
         self._slots.clear()
         self._raw = None
 
@@ -50,6 +54,22 @@ class SharedArena:
     def nbytes(self) -> int:
         """The bytes held (0 before a planned graph first runs)."""
         return 0 if self._raw is None else self._raw.numel()
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` views the arena's bytes."""
+        return self._raw is not None and tensor.untyped_storage().data_ptr() == self._raw.untyped_storage().data_ptr()
+
+    def held_elsewhere(self) -> bool:
+        """Whether a tensor other than the arena and its slots views its bytes."""
+        if self._raw is None:
+            return False
+        ours = 1 + sum(tensors for _, tensors in self._slots.values())
+        return storage_use_count(self._raw) > ours
+
+    def leave_to_holders(self) -> None:
+        """Before a run: if a tensor other than ours views the bytes, they are its; the run takes new ones."""
+        if self.held_elsewhere():
+            self.release()
 
     def slots(self, graph: fx.Graph, planned: list[torch.Tensor]) -> list[torch.Tensor]:
         """``graph``'s slots (like ``planned``, the ``arena`` placeholder's fake views), in the shared bytes; the bytes
@@ -59,9 +79,16 @@ class SharedArena:
             self.release()  # the old bytes go before the new ones come
             self._raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if graph not in self._slots:
-            self._slots[graph] = [slot_view(self._raw, s.storage_offset() * s.element_size(), s.dtype, s.shape)
-                                  for s in planned]
-        return self._slots[graph]
+            before = storage_use_count(self._raw)
+            slots = [slot_view(self._raw, s.storage_offset() * s.element_size(), s.dtype, s.shape) for s in planned]
+            self._slots[graph] = slots, storage_use_count(self._raw) - before
+        return self._slots[graph][0]
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """How many tensors view ``tensor``'s storage (``tensor`` included)."""
+    storage = tensor.untyped_storage()  # a storage object of its own counts once
+    return torch._C._storage_Use_Count(storage._cdata) - 1
 
 
 @dataclass
@@ -232,6 +259,8 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
         return state.lookup(slot) if state else None
 
     _release_unread_grads(binding, compiled.grads_read)
+    _move_read_grads_out_of_arena(binding, compiled)
+    compiled.shared_arena.leave_to_holders()
     needs_lookup = state is not None or compiled.takes_rank_or_arena
     inputs = input_values(binding, args, compiled.input_slots, for_trace=False,
                           override=lookup if needs_lookup else None)
@@ -270,6 +299,18 @@ def _release_unread_grads(binding: StepBinding, read: frozenset[str]) -> None:
     for fqn, p in binding.params.items():
         if p.requires_grad and p.grad is not None and fqn not in read:  # a frozen parameter's is the user's
             p.grad = None
+
+
+def _move_read_grads_out_of_arena(binding: StepBinding, compiled: CompiledGraph) -> None:
+    """A step that reads incoming gradients gets them in memory of their own when the last step left them in the
+    arena: this step's planned buffers are about to be written there."""
+    arena = compiled.shared_arena
+    if not compiled.grads_read or not arena.held_elsewhere():
+        return
+    for fqn in compiled.grads_read:
+        p = binding.params[fqn]
+        if p.grad is not None and arena.holds(local(p.grad)):
+            p.grad = p.grad.clone()
 
 
 def _set_buffer(binding: StepBinding, args: tuple, fqn: str, value: torch.Tensor) -> None:

@@ -53,7 +53,7 @@ class StepStats:
     arena_bytes_by_layout: dict[str, int] = field(default_factory=dict)  # both ("joint", "pools by class")
     largest_at_peak: list[tuple[str, str, int]] = field(default_factory=list)  # (buffer, class, bytes), inputs too
     # memory_plan: what the step keeps between steps for it (0: unplanned): the arena its graphs share (as large as
-    # the largest plan) and the last graph's scalar operands
+    # the largest plan, the gradients left in .grad inside it) and the last graph's scalar operands
     held_plan_bytes: int = 0
     # plans: the activation bytes alive when the most are (activation_bytes), by the op that made them
     activations_at_peak: dict[str, int] = field(default_factory=dict)

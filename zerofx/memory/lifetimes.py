@@ -27,7 +27,7 @@ from zerofx import collectives
 from zerofx.memory.planner import Block
 from zerofx.memory.pools import Placement, place
 from zerofx.memory.tracking import category_of
-from zerofx.step_graph import aliases_first_arg
+from zerofx.step_graph import Role, aliases_first_arg, tag
 
 _ALIASING_CALLS = (collectives.wait, collectives.all_reduce)  # Python functions in the graph that return their input
 _CLAIMING = ("grads", "gathered_params")  # classes an alias gives the buffer it views (`StepProbe` does the same)
@@ -43,6 +43,7 @@ class Lifetime:
     category: str  # params, optimizer_states, grads, gathered_params, checkpoints, activations, ...
     device: torch.device
     is_input: bool  # a graph input: it exists before the step and after it
+    returned_as: frozenset[Role | None] = frozenset()  # the roles of the step's outputs that return it (None: untagged)
 
     @property
     def name(self) -> str:
@@ -60,11 +61,14 @@ def lifetimes(graph: fx.Graph) -> list[Lifetime]:
     last_use: dict[tuple[fx.Node, int | None], int] = {}
     defined: list[tuple[fx.Node, int | None, torch.Tensor]] = []
     claimed: dict[tuple[fx.Node, int | None], str] = {}  # buffers an alias gives its class
+    returned_as: dict[tuple[fx.Node, int | None], set[Role | None]] = {}
     for node in nodes:
         used_until = len(nodes) - 1 if node.op == "output" else position[node]  # returned: alive to the end
         for key in buffers.read_by(node) | buffers.read_by(_functional_collective_waited(node)):
             last_use[key] = used_until
         if node.op == "output":
+            for key, role in _returned(node, buffers):
+                returned_as.setdefault(key, set()).add(role)
             continue
         if not buffers.follow(node):
             defined += buffers.define(node)
@@ -77,8 +81,17 @@ def lifetimes(graph: fx.Graph) -> list[Lifetime]:
         end = len(nodes) if placeholder else max(last_use.get((node, index), start), start) + 1
         category = claimed.get((node, index), category_of(node))
         out.append(Lifetime(node.name, index, val.untyped_storage().nbytes(), start, end, category, val.device,
-                            placeholder))
+                            placeholder, frozenset(returned_as.get((node, index), ()))))
     return out
+
+
+def _returned(output: fx.Node, buffers: _Buffers) -> list[tuple[tuple[fx.Node, int | None], Role | None]]:
+    """(buffer, role of the output returning it) for every buffer the step returns."""
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    slots = tag(output).slots if tag(output) is not None else []
+    roles = [s.role for s in slots] if len(slots) == len(values) else [None] * len(values)
+    return [(key, role) for value, role in zip(values, roles) if isinstance(value, fx.Node)
+            for key in buffers.keys.get(value, ()) if key is not None]
 
 
 class _Buffers:
