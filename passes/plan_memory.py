@@ -119,8 +119,9 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
     arena's size plus the most those others hold at once, which exceeds the unplanned peak whenever the planned
     buffers are busiest at another time, or the arena has gaps. Leave to the allocator, largest first, planned
     buffers not alive where the others peak (and, while the planned ones peak elsewhere, alive where they do),
-    until the arena fits in what the planned buffers hold where the others peak."""
-    chosen = sorted(chosen, key=lambda spans: -sum(s.nbytes for s in spans))
+    until the arena fits in what the planned buffers hold where the others peak. Gradients the step leaves in the
+    arena go last: left to the allocator, they would be allocated anew every step."""
+    chosen = sorted(chosen, key=lambda spans: (any(s.returned_as for s in spans), -sum(s.nbytes for s in spans)))
     for _ in range(len(chosen)):
         planned, rest = live_bytes([s for spans in chosen for s in spans], length), live_bytes(others, length)
         at_rest_peak = int(rest.argmax())
