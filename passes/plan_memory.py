@@ -4,13 +4,14 @@ From the final graph's lifetimes (`zerofx.memory.lifetimes`), each buffer an ATe
 tensor, not the step's input, not returned by the step except as a ``.grad``) is planned, when the op has an ``out=``
 variant: the op then writes into its slot of the arena, a view at the planned offset. The gradients a step leaves in
 ``.grad`` (stage 0's reduced buckets) stay in the arena after it, so a step does not ask the allocator for them
-again; the runtime moves the arena aside when anything still holds them as the next step starts
-(`zerofx.runtime.SharedArena`). A step that reads incoming gradients returns its own outside the arena: the next
-call, which reads them, would otherwise have to copy them out first. Buffers alive at the same time never share a byte
-(`zerofx.memory.plan`), so long- and short-lived tensors never interleave in an allocator's free lists, and a step asks
-the allocator only for what is not planned. The arena is one joint plan or one pool per lifetime class, whichever is
-smaller (`zerofx.memory.pools`). What is left to the allocator (collectives' results, ops returning
-several tensors, ops without an ``out=`` variant, strided outputs) is counted by class in the report.
+again. Each is returned as an alias of its own, never as a slot: as the next step starts, the runtime counts what
+still references the arena and leaves it to any holder but itself (`zerofx.runtime.SharedArena`). A step that reads
+incoming gradients returns its own outside the arena: the next call, which reads them, would otherwise have to copy
+them out first. Buffers alive at the same time never share a byte (`zerofx.memory.plan`), so long- and short-lived
+tensors never interleave in an allocator's free lists, and a step asks the allocator only for what is not planned.
+The arena is one joint plan or one pool per lifetime class, whichever is smaller (`zerofx.memory.pools`). What is
+left to the allocator (collectives' results, ops returning several tensors, ops without an ``out=`` variant, strided
+outputs) is counted by class in the report.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from zerofx.memory.lifetimes import Lifetime, lifetimes, live_bytes, step_device
 from zerofx.memory.pools import place, slot_view
 from zerofx.passes.context import PassContext
 from zerofx.passes.graph_edit import add_call, fake_mode_of
-from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, StepGraph
+from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, StepGraph, tag
 
 aten = torch.ops.aten
 ALIGNMENT = 64  # bytes: every slot starts on a cache line (and on any dtype's alignment)
@@ -68,11 +69,11 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     arena = _arena_placeholder(graph, placed.arena_bytes, chosen[0].device,
                                [(val, offset) for node, node_offsets in planned
                                 for val, offset in zip(_outputs(node), node_offsets)])
-    slot, written = 0, set()
+    slot = 0
     for node, node_offsets in planned:
-        written.add(_write_into_slots(graph, node, arena, range(slot, slot + len(node_offsets))))
+        _write_into_slots(graph, node, arena, range(slot, slot + len(node_offsets)))
         slot += len(node_offsets)
-    _return_aliases_of_slots(graph, written)
+    _return_gradients_as_aliases(graph)
     ctx.artifacts["arena_bytes"] = placed.arena_bytes
     ctx.artifacts["memory_plan"] = PlannedMemory(len(chosen), sum(s.nbytes for s in chosen), placed.arena_bytes,
                                                  placed.lower_bound_bytes, dict(left), placed.layout,
@@ -121,7 +122,7 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
     buffers not alive where the others peak (and, while the planned ones peak elsewhere, alive where they do),
     until the arena fits in what the planned buffers hold where the others peak. Gradients the step leaves in the
     arena go last: left to the allocator, they would be allocated anew every step."""
-    chosen = sorted(chosen, key=lambda spans: (any(s.returned_as for s in spans), -sum(s.nbytes for s in spans)))
+    chosen = sorted(chosen, key=lambda spans: (any(s.end >= length for s in spans), -sum(s.nbytes for s in spans)))
     for _ in range(len(chosen)):
         planned, rest = live_bytes([s for spans in chosen for s in spans], length), live_bytes(others, length)
         at_rest_peak = int(rest.argmax())
@@ -180,7 +181,7 @@ def _arena_placeholder(graph: fx.Graph, nbytes: int, device: torch.device,
     return arena
 
 
-def _write_into_slots(graph: fx.Graph, node: fx.Node, arena: fx.Node, slots: range) -> fx.Node:
+def _write_into_slots(graph: fx.Graph, node: fx.Node, arena: fx.Node, slots: range) -> None:
     variant, out_names = _out_variant(node.target)
     outs = {}
     with graph.inserting_before(node):
@@ -191,17 +192,16 @@ def _write_into_slots(graph: fx.Graph, node: fx.Node, arena: fx.Node, slots: ran
     written.meta.update(node.meta)
     node.replace_all_uses_with(written)
     graph.erase_node(node)
-    return written
 
 
-def _return_aliases_of_slots(graph: fx.Graph, written: set[fx.Node]) -> None:
-    """A planned buffer the step returns (a ``.grad``) is returned as an alias, not as the slot itself (what an
-    ``out=`` variant returns): the runtime tells the caller's tensors from its own slots by counting them."""
+def _return_gradients_as_aliases(graph: fx.Graph) -> None:
+    """Every ``.grad`` the step returns is a tensor of its own (an alias): never the same object as an arena slot,
+    which an ``out=`` variant or an in-place op on its result (``grad.div_(2)``) returns. The runtime tells the
+    caller's tensors from its own slots by counting them."""
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     values = list(output.args[0])
-    for i, value in enumerate(values):
-        slot = value.args[0] if isinstance(value, fx.Node) and value.target is operator.getitem else value
-        if slot in written:
+    for i, (value, slot) in enumerate(zip(values, tag(output).slots)):
+        if slot.role == Role.GRAD_OUT and isinstance(value, fx.Node):
             with graph.inserting_before(output):
                 values[i] = add_call(graph, aten.alias.default, (value,), like=value, val=value.meta["val"])
     output.args = (values,)

@@ -196,43 +196,68 @@ def test_stage_0_plans_its_memory_by_default_keeps_it_between_steps_and_releases
     assert planned.stats().held_plan_bytes == held
 
 
-def test_a_gradient_kept_from_the_last_planned_step_is_not_overwritten_by_the_next():
+def _halve_grads(model, opt, x, y):
+    opt.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    for p in model.parameters():
+        p.grad.div_(2)  # in place: the graph returns what an arena slot was written with
+    opt.step()
+    return loss
+
+
+def _zero_after_step(model, opt, x, y):
+    loss = model(x, y)
+    loss.backward()
+    for p in model.parameters():
+        p.grad.div_(2)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    return loss
+
+
+def _keep(grad: torch.Tensor, i: int):
+    """The last step's gradient as a caller may keep it (the tensor, a view of it, or only its storage), a reader
+    of its values from what is kept, and its values now."""
+    if i % 3 == 2:
+        offset, shape, stride, dtype = grad.storage_offset(), grad.shape, grad.stride(), grad.dtype
+        return (grad.untyped_storage(), lambda kept: torch.empty(0, dtype=dtype).set_(kept, offset, shape, stride),
+                grad.clone())
+    kept = grad if i % 3 == 0 else grad[1:3]
+    return kept, lambda kept: kept, kept.clone()
+
+
+@pytest.mark.parametrize("step_fn", [train_step, _halve_grads, _zero_after_step])
+def test_a_gradient_kept_from_the_last_planned_step_is_not_overwritten_by_the_next(step_fn, caplog):
     """The arena holds the gradients a stage-0 step leaves; one the caller still holds when the next step starts
-    keeps its values (the step plans into new bytes), whether the next step drops ``.grad`` first (``zero_grad()``
-    inside it), reads it (``zero_grad(set_to_none=False)`` after the step), or the caller holds a view of it. With
-    nothing kept, every step reuses the same arena (a step that reads the gradients first takes them out of it)."""
-
-    def zero_after_step(model, opt, x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        return loss
-
-    for step_fn in (train_step, zero_after_step):
-        runs = []
-        for memory_plan in (False, True):
-            model, opt = gpt_and_adamw()
-            step = zerofx.compile(step_fn, memory_plan=memory_plan)
-            kept, kept_values, losses = [], [], []
-            for i in range(4):
-                losses.append(step(model, opt, *token_batch(i, 0)).item())
-                weight = model.blocks[0].attn.qkv.weight
-                grad = weight.grad if i % 2 else weight.grad[1:3]
-                if i == 0:
-                    assert step._arena.holds(grad) == memory_plan
-                kept.append(grad)
-                kept_values.append(grad.clone())
-            assert all(torch.equal(g, v) for g, v in zip(kept, kept_values)), (step_fn.__name__, memory_plan)
-            runs.append((losses, [p.detach().clone() for p in model.parameters()]))
-        (want_losses, want_params), (losses, params) = runs
-        assert losses == want_losses and all(map(torch.equal, params, want_params)), step_fn.__name__
+    (the tensor, a view of it, its storage) keeps its values, and the step plans into new bytes, saying so: whether
+    the next step drops ``.grad`` first (``zero_grad()`` inside it), reads it (``zero_grad(set_to_none=False)`` after
+    the step), or the step changed it in place (``grad.div_``). With nothing kept, every step reuses the same arena
+    (a step that reads the gradients first takes them out of it)."""
+    runs = []
+    for memory_plan in (False, True):
         model, opt = gpt_and_adamw()
-        step = zerofx.compile(step_fn)
-        arenas = []
+        step = zerofx.compile(step_fn, memory_plan=memory_plan)
+        kept, losses = [], []
         for i in range(4):
-            step(model, opt, *token_batch(i, 0))
-            arenas.append(step._arena._raw.data_ptr())  # nothing kept: every step reuses the same bytes
-        assert len(set(arenas)) == 1, step_fn.__name__
+            losses.append(step(model, opt, *token_batch(i, 0)).item())
+            grad = model.blocks[0].attn.qkv.weight.grad
+            if i == 0:
+                assert step._arena.holds(grad) == memory_plan
+            kept.append(_keep(grad, i))
+            del grad
+        assert all(torch.equal(read(k), want) for k, read, want in kept), memory_plan
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (want_losses, want_params), (losses, params) = runs
+    assert losses == want_losses and all(map(torch.equal, params, want_params))
+    assert "Clone gradients you keep" in caplog.text
+    caplog.clear()
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(step_fn)
+    arenas = []
+    for i in range(4):
+        step(model, opt, *token_batch(i, 0))
+        arenas.append(step._arena._raw.data_ptr())  # nothing kept: every step reuses the same bytes
+    assert len(set(arenas)) == 1 and "Clone gradients" not in caplog.text
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import logging
 import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -30,6 +32,8 @@ from zerofx.sharded_state import ShardedState
 from zerofx.step_graph import Role, Slot, StepGraph
 from zerofx.units import UnitRule
 
+log = logging.getLogger("zerofx")
+
 
 class SharedArena:
     """The bytes every cached graph of one compiled step writes its planned buffers into (``memory_plan``). Their
@@ -40,9 +44,10 @@ class SharedArena:
 
     def __init__(self):
         self._raw: torch.Tensor | None = None
-        # by graph (an evicted graph's go with it): its slots, views of ``_raw``, and how many tensors they take
-        # (a slot is a view of a view: two)
+        # by graph (an evicted graph's go with it): its slots, views of ``_raw``, and the references to its storage
+        # they take (measured as they are made)
         self._slots: weakref.WeakKeyDictionary[fx.Graph, tuple[list[torch.Tensor], int]] = weakref.WeakKeyDictionary()
+        self._warned = False  # about a gradient kept across steps, once
 
     def release(self) -> None:
         """Let the bytes go (at once, unless a ``.grad`` still views them); the next graph to run allocates them
@@ -60,16 +65,23 @@ class SharedArena:
         return self._raw is not None and tensor.untyped_storage().data_ptr() == self._raw.untyped_storage().data_ptr()
 
     def held_elsewhere(self) -> bool:
-        """Whether a tensor other than the arena and its slots views its bytes."""
+        """Whether anything but the arena and its slots (a tensor, a storage object) holds its bytes."""
         if self._raw is None:
             return False
-        ours = 1 + sum(tensors for _, tensors in self._slots.values())
-        return storage_use_count(self._raw) > ours
+        held = storage_references(self._raw)  # first: a collection it may set off only lowers it (safe side)
+        return held > 1 + sum(references for _, references in self._slots.values())
 
-    def leave_to_holders(self) -> None:
-        """Before a run: if a tensor other than ours views the bytes, they are its; the run takes new ones."""
-        if self.held_elsewhere():
-            self.release()
+    def release_if_held_elsewhere(self) -> None:
+        """Before a run: bytes something else still holds (last step's ``.grad`` kept by the caller) are left to
+        it, and the run takes new ones."""
+        if not self.held_elsewhere():
+            return
+        if not self._warned:
+            log.warning("zerofx: a gradient the last step left in its planned arena is still referenced; the "
+                        "arena (%d bytes) stays with it and the step allocates another. Clone gradients you keep "
+                        "across steps.", self.nbytes)
+            self._warned = True
+        self.release()
 
     def slots(self, graph: fx.Graph, planned: list[torch.Tensor]) -> list[torch.Tensor]:
         """``graph``'s slots (like ``planned``, the ``arena`` placeholder's fake views), in the shared bytes; the bytes
@@ -79,16 +91,28 @@ class SharedArena:
             self.release()  # the old bytes go before the new ones come
             self._raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if graph not in self._slots:
-            before = storage_use_count(self._raw)
+            before = storage_references(self._raw)
             slots = [slot_view(self._raw, s.storage_offset() * s.element_size(), s.dtype, s.shape) for s in planned]
-            self._slots[graph] = slots, storage_use_count(self._raw) - before
+            self._slots[graph] = slots, storage_references(self._raw) - before
         return self._slots[graph][0]
 
 
-def storage_use_count(tensor: torch.Tensor) -> int:
-    """How many tensors view ``tensor``'s storage (``tensor`` included)."""
-    storage = tensor.untyped_storage()  # a storage object of its own counts once
-    return torch._C._storage_Use_Count(storage._cdata) - 1
+def storage_references(tensor: torch.Tensor) -> int:
+    """The references to ``tensor``'s storage: a tensor viewing it counts once (``tensor`` included), and so does
+    its Python storage object while anything else holds that."""
+    use_count, object_refs = _storage_counts(tensor)
+    return use_count - 1 + (object_refs > _unheld_storage_object_refs())  # fetching the object added one, unless held
+
+
+def _storage_counts(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()  # the storage's one Python object
+    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
+@functools.cache
+def _unheld_storage_object_refs() -> int:
+    """The references `_storage_counts` sees to a storage object nothing else holds (torch keeps one of its own)."""
+    return _storage_counts(torch.empty(1))[1]
 
 
 @dataclass
@@ -260,7 +284,7 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
 
     _release_unread_grads(binding, compiled.grads_read)
     _move_read_grads_out_of_arena(binding, compiled)
-    compiled.shared_arena.leave_to_holders()
+    compiled.shared_arena.release_if_held_elsewhere()
     needs_lookup = state is not None or compiled.takes_rank_or_arena
     inputs = input_values(binding, args, compiled.input_slots, for_trace=False,
                           override=lookup if needs_lookup else None)
@@ -305,8 +329,6 @@ def _move_read_grads_out_of_arena(binding: StepBinding, compiled: CompiledGraph)
     """A step that reads incoming gradients gets them in memory of their own when the last step left them in the
     arena: this step's planned buffers are about to be written there."""
     arena = compiled.shared_arena
-    if not compiled.grads_read or not arena.held_elsewhere():
-        return
     for fqn in compiled.grads_read:
         p = binding.params[fqn]
         if p.grad is not None and arena.holds(local(p.grad)):
