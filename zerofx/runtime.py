@@ -64,17 +64,13 @@ class SharedArena:
         """Whether ``tensor`` views the arena's bytes."""
         return self._raw is not None and tensor.untyped_storage().data_ptr() == self._raw.untyped_storage().data_ptr()
 
-    def held_elsewhere(self) -> bool:
-        """Whether anything but the arena and its slots (a tensor, a storage object) holds its bytes."""
-        if self._raw is None:
-            return False
-        held = storage_references(self._raw)  # first: a collection it may set off only lowers it (safe side)
-        return held > 1 + sum(references for _, references in self._slots.values())
-
     def release_if_held_elsewhere(self) -> None:
-        """Before a run: bytes something else still holds (last step's ``.grad`` kept by the caller) are left to
-        it, and the run takes new ones."""
-        if not self.held_elsewhere():
+        """Before a run: bytes something but the arena and its slots still holds (last step's ``.grad`` kept by the
+        caller, a view of it, its storage object) are left to it, and the run takes new ones."""
+        if self._raw is None:
+            return
+        held = _storage_references(self._raw)  # first: a collection it may set off only lowers it (safe side)
+        if held <= 1 + sum(references for _, references in self._slots.values()):
             return
         if not self._warned:
             log.warning("zerofx: a gradient the last step left in its planned arena is still referenced; the "
@@ -91,13 +87,13 @@ class SharedArena:
             self.release()  # the old bytes go before the new ones come
             self._raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if graph not in self._slots:
-            before = storage_references(self._raw)
+            before = _storage_references(self._raw)
             slots = [slot_view(self._raw, s.storage_offset() * s.element_size(), s.dtype, s.shape) for s in planned]
-            self._slots[graph] = slots, storage_references(self._raw) - before
+            self._slots[graph] = slots, _storage_references(self._raw) - before
         return self._slots[graph][0]
 
 
-def storage_references(tensor: torch.Tensor) -> int:
+def _storage_references(tensor: torch.Tensor) -> int:
     """The references to ``tensor``'s storage: a tensor viewing it counts once (``tensor`` included), and so does
     its Python storage object while anything else holds that."""
     use_count, object_refs = _storage_counts(tensor)
