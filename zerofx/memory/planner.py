@@ -136,7 +136,7 @@ class Problem:
     def _profile(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Bytes alive in each slot between consecutive distinct times, and each block's slots [first, end)."""
         a = self.active
-        times = np.unique(np.concatenate([self.start[a], self.end[a]]))
+        times = _distinct(np.concatenate([self.start[a], self.end[a]]))
         first = np.searchsorted(times, self.start)
         stop = np.searchsorted(times, self.end)
         delta = np.zeros(len(times) + 1, np.int64)
@@ -170,7 +170,7 @@ class Problem:
         first, stop = self.first_slot, np.maximum(self.end_slot, self.first_slot + 1)
         k = np.floor(np.log2(stop - first)).astype(np.int64)
         peak = np.zeros(self.n, np.int64)
-        for level in np.unique(k[self.active]):
+        for level in _distinct(k[self.active]).tolist():
             sel = self.active[k[self.active] == level]
             table = levels[level]
             peak[sel] = np.maximum(table[first[sel]], table[stop[sel] - 2 ** level])
@@ -189,6 +189,13 @@ class Problem:
             x = fits(lo[neighbours], hi[neighbours], size[i]) if neighbours.size else 0
             lo[i], hi[i] = x, x + size[i]
         return np.maximum(lo, 0)
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """``values`` sorted, each once: ``np.unique`` without its first call's import of ``numpy.ma`` (1.3 MB resident
+    in a process that has no other use for it)."""
+    ordered = np.sort(values)
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if ordered.size else ordered
 
 
 def _gaps(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
