@@ -6,10 +6,11 @@ resident high-water mark and step time, on the benchmark GPT (one process, CPU).
 Each configuration runs in a process of its own, which first traces and times the steps alone, as a user's process
 runs them. The resident high-water mark is read then, twice: the whole process's (tracing included), and, on Linux,
 how far it rises during the timed steps above the resident set they start from (reset after warm-up through
-``/proc/self/clear_refs``). Only after that does the process measure with the profiler and the tracker. Allocator
-traffic is the blocks freed in one step after warm-up (``torch.profiler.profile(profile_memory=True)``); peak bytes
-are `zerofx.LiveStorageTracker`'s over one step, counting the step's state from the start; step time is the median
-over interleaved rounds.
+``/proc/self/clear_refs``). After the timed steps the resident set is split into anonymous memory (heap, arena,
+Python objects) and mapped files (the code of the libraries the process has run so far). Only after that does the
+process measure with the profiler and the tracker. Allocator traffic is the blocks freed in one step after warm-up
+(``torch.profiler.profile(profile_memory=True)``); peak bytes are `zerofx.LiveStorageTracker`'s over one step,
+counting the step's state from the start; step time is the median over interleaved rounds.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int, size:
         times.append(time.perf_counter() - start)
     rss_kib = max(whole_kib, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     steps_rss_kib = steps_rise_kib() if steps_rise_kib else None
+    anon_kib, file_kib = _resident_split()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step(model, opt, *batch[2])
     # the profiler reports every block a step frees with its size, but not every allocation: a step in its steady
@@ -71,7 +73,7 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int, size:
     with zerofx.LiveStorageTracker(roots=[zerofx.state_dict(step), *batch[2]]) as tracker:  # the step's own state
         step(model, opt, *batch[2])
     return {"frees": frees, "peak_bytes": tracker.peak_bytes, "rss_kib": rss_kib, "steps_rss_kib": steps_rss_kib,
-            "step_ms": statistics.median(times) * 1e3}
+            "anon_kib": anon_kib, "file_kib": file_kib, "step_ms": statistics.median(times) * 1e3}
 
 
 def _reset_resident_high_water():
@@ -84,6 +86,14 @@ def _reset_resident_high_water():
         return None
     at_reset = _status_kib("VmRSS")
     return lambda: _status_kib("VmHWM") - at_reset
+
+
+def _resident_split() -> tuple[int | None, int | None]:
+    """Linux: the resident set now, anonymous and file-mapped (KiB); None where the system cannot say."""
+    try:
+        return _status_kib("RssAnon"), _status_kib("RssFile")
+    except (OSError, StopIteration):
+        return None, None
 
 
 def _status_kib(field: str) -> int:
@@ -116,13 +126,15 @@ def main() -> None:
                 out = json.loads(done.stdout.splitlines()[-1])
                 rows.setdefault((stage, planned), []).append(out)
     print(f"| stage | memory_plan | blocks freed per step | peak live bytes | resident high-water KiB, whole process "
-          f"| its rise over the timed steps | step ms (median of {args.rounds} rounds) |")
-    print("|--:|---|--:|--:|--:|--:|--:|")
+          f"| its rise over the timed steps | after them: anonymous KiB | mapped files KiB "
+          f"| step ms (median of {args.rounds} rounds) |")
+    print("|--:|---|--:|--:|--:|--:|--:|--:|--:|")
     for (stage, planned), runs in rows.items():
         print(f"| {stage} | {'yes' if planned else 'no'} | {statistics.median(r['frees'] for r in runs):.0f} | "
               f"{statistics.median(r['peak_bytes'] for r in runs):,.0f} | "
               f"{statistics.median(r['rss_kib'] for r in runs):,.0f} | "
               f"{_median_or_dash([r['steps_rss_kib'] for r in runs])} | "
+              f"{_median_or_dash([r['anon_kib'] for r in runs])} | {_median_or_dash([r['file_kib'] for r in runs])} | "
               f"{statistics.median(r['step_ms'] for r in runs):.1f} |")
 
 
