@@ -200,21 +200,24 @@ def _distinct(values: np.ndarray) -> np.ndarray:
 
 def _gaps(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """Free stretches between the intervals [lo, hi), bottom up: their starts and their lengths (the one above
-    everything is left out; it is unbounded)."""
-    by_lo = np.argsort(lo, kind="stable")
-    lo = lo[by_lo]
-    top = np.maximum.accumulate(hi[by_lo])
-    return np.concatenate(([0], top[:-1])), np.concatenate(([lo[0]], lo[1:] - top[:-1])), top[-1]
+    everything is left out: it is unbounded), and where that one starts. Intervals with the same ``lo`` change no
+    stretch of positive length whichever comes first, so any sort does."""
+    by_lo = np.argsort(lo)
+    lo, top = lo[by_lo], np.maximum.accumulate(hi[by_lo])
+    starts = np.empty_like(top)
+    starts[0], starts[1:] = 0, top[:-1]
+    return starts, lo - starts, int(top[-1])
 
 
 def _lowest_gap(lo: np.ndarray, hi: np.ndarray, size: int) -> int:
     starts, lengths, top = _gaps(lo, hi)
-    fit = np.flatnonzero(lengths >= size)
-    return int(starts[fit[0]]) if fit.size else int(top)
+    fits = lengths >= size
+    first = int(fits.argmax())
+    return int(starts[first]) if fits[first] else top
 
 
 def _tightest_gap(lo: np.ndarray, hi: np.ndarray, size: int) -> int:
     starts, lengths, top = _gaps(lo, hi)
-    fit = np.flatnonzero(lengths >= size)
-    return int(starts[fit[np.argmin(lengths[fit])]]) if fit.size else int(top)
-
+    spare = np.where(lengths >= size, lengths, np.iinfo(np.int64).max)
+    tightest = int(spare.argmin())
+    return int(starts[tightest]) if lengths[tightest] >= size else top
