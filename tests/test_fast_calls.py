@@ -1,10 +1,13 @@
 """`zerofx.fast_calls`: the graph a step runs calls torch's bindings only where they dispatch to the very overload
 the graph names, and computes bitwise what the graph computes."""
 
+import gc
+
 import torch
+import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from zerofx.fast_calls import fast_calls
+from zerofx.fast_calls import bindings_graph, fast_calls
 
 aten = torch.ops.aten
 
@@ -48,21 +51,32 @@ def test_runs_bitwise_as_the_graph_and_mutates_inputs_alike():
 
 
 def test_an_overload_no_binding_reaches_keeps_its_overload():
-    fast = fast_calls(_traced())
-    left = {n.target for n in fast.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+    graph = bindings_graph(_traced())
+    left = {n.target for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
     assert aten.add.Scalar in left  # torch.add(h, 2) dispatches add.Tensor: not the same call
-    rewritten = {n.target for n in fast.graph.nodes if n.op in ("call_method", "call_function")} - left
+    rewritten = {n.target for n in graph.nodes if n.op in ("call_method", "call_function")} - left
     assert {"t", "view", "item", "split", "mul"} <= {getattr(t, "__name__", t) for t in rewritten}
     assert aten.mul.Tensor not in left and aten.addmm.default not in left
-    assert "where" not in {n.target for n in fast.graph.nodes if n.op == "call_method"}
+    assert "where" not in {n.target for n in graph.nodes if n.op == "call_method"}
+    code = fast_calls(_traced()).code  # what runs is that graph's code
+    assert "torch.ops.aten.add.Scalar(" in code and "torch.ops.aten.addmm.default(" not in code
 
 
-def test_the_graph_it_was_made_from_is_left_as_it_was_and_the_copy_keeps_no_metadata():
+def test_the_graph_it_was_made_from_is_left_as_it_was_and_no_copy_is_kept():
     gm = _traced()
     before = [(n.op, n.target, n.args, n.meta["val"].shape if isinstance(n.meta.get("val"), torch.Tensor) else None)
               for n in gm.graph.nodes]
+    gc.collect()
+    nodes_alive = _nodes_alive()
     fast = fast_calls(gm)
+    gc.collect()
     after = [(n.op, n.target, n.args, n.meta["val"].shape if isinstance(n.meta.get("val"), torch.Tensor) else None)
              for n in gm.graph.nodes]
     assert before == after
-    assert not [n for n in fast.graph.nodes if n.meta]  # it only runs: no metadata kept a second time
+    assert _nodes_alive() == nodes_alive  # it only runs: the rewritten copy went once its code was made
+    assert not [n for n in bindings_graph(gm).nodes if n.meta]
+    fast(*_inputs())
+
+
+def _nodes_alive() -> int:
+    return sum(1 for o in gc.get_objects() if type(o) is fx.Node)

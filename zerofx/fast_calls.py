@@ -9,11 +9,15 @@ kinds: Python types, and dtype and dimensions of tensors) on fresh fake tensors,
 dispatches; it is used only if it dispatched that overload alone, with the same tensors in the same order and the
 same other arguments. A method is tried only for an op whose first argument is ``self`` (``where(condition, self,
 other)`` is not ``condition.where(...)``). The graph kept for dumps, statistics and memory probes is left as it was:
-only the copy that runs is rewritten.
+a copy is rewritten, its code generated, and the copy let go (a graph with its nodes is a megabyte or two of Python
+objects on a small model, held as long as the step is cached).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import linecache
 import logging
 from typing import Any, Callable
 
@@ -28,9 +32,33 @@ _NAMESPACES = (torch._C._VariableFunctions, torch._C._nn)
 _METHOD_FOR = {"_local_scalar_dense": "item"}  # overloads whose binding has another name
 
 
-def fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` to run: its ATen calls through the bindings that dispatch to the same overloads, its
-    other nodes as they were. Needs the nodes' ``val`` metadata (capture gives it); values are bitwise unchanged."""
+class Runnable:
+    """``gm``'s step as the code of a rewritten copy of its graph (`bindings_graph`), reading ``gm``'s attributes as
+    ``gm``'s own code does; the copy is not kept."""
+
+    _sources = itertools.count()
+
+    def __init__(self, gm: fx.GraphModule, graph: fx.Graph):
+        python_code = graph.python_code(root_module="self")
+        self.code = python_code.src
+        filename = f"<zerofx step {next(self._sources)}>"
+        linecache.cache[filename] = (len(self.code), None, self.code.splitlines(True), filename)  # for tracebacks
+        exec(compile(self.code, filename, "exec"), python_code.globals)
+        self._forward = functools.partial(python_code.globals["forward"], gm)
+
+    def __call__(self, *inputs):
+        return self._forward(*inputs)
+
+
+def fast_calls(gm: fx.GraphModule) -> Runnable:
+    """``gm``'s step to run: its ATen calls through the bindings that dispatch to the same overloads, its other
+    nodes as they were. Needs the nodes' ``val`` metadata (capture gives it); values are bitwise unchanged."""
+    return Runnable(gm, bindings_graph(gm))
+
+
+def bindings_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of ``gm``'s graph with its ATen calls through the bindings that dispatch to the same overloads (none
+    where the graph has no ``val`` metadata to check them on), and no metadata."""
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen
     copies: dict[fx.Node, fx.Node] = {}
@@ -39,7 +67,7 @@ def fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
     try:
         fake_mode = fake_mode_of(gm.graph)
     except ValueError:  # no fake metadata to check bindings on: run the graph as it is
-        return fx.GraphModule(gm, graph)
+        return graph
     for node in copies.values():
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -49,8 +77,8 @@ def fast_calls(gm: fx.GraphModule) -> fx.GraphModule:
         if checked[key] is not None:
             node.op, node.target = checked[key]
     for node in copies.values():
-        node.meta = {}  # read by the checks only; the copy that runs would keep a second dict a node for nothing
-    return fx.GraphModule(gm, graph)
+        node.meta = {}  # read by the checks only
+    return graph
 
 
 def _argument_kinds(node: fx.Node) -> tuple:

@@ -20,7 +20,7 @@ from zerofx import collectives, dump
 from zerofx.binding import StepBinding, incoming_grads, input_values, present_grads
 from zerofx.capture import CapturedStep, capture
 from zerofx.errors import CaptureError
-from zerofx.fast_calls import fast_calls
+from zerofx.fast_calls import Runnable, fast_calls
 from zerofx.memory import StepProbe
 from zerofx.memory import timeline
 from zerofx.memory.lifetimes import StepMemoryPlan, lifetimes, plan_step
@@ -141,7 +141,7 @@ class CompiledGraph:
         return self._memory_plan
 
     @functools.cached_property
-    def runnable(self) -> fx.GraphModule:
+    def runnable(self) -> Runnable:
         """The graph as it runs: ``gm`` with its ATen calls through torch's faster bindings (`fast_calls`)."""
         return fast_calls(self.gm)
 
@@ -287,9 +287,9 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
     try:
         with torch.no_grad():
             # from its second run: rewriting takes a tenth of a build, not worth it for a graph run once
-            graph = compiled.runnable if compiled.has_run else compiled.gm
+            step = compiled.runnable if compiled.has_run else compiled.gm
             compiled.has_run = True
-            outputs = probe.run_step(inputs, roots=[*inputs, *graph.buffers()]) if probe else graph(*inputs)
+            outputs = probe.run_step(inputs, roots=[*inputs, *compiled.gm.buffers()]) if probe else step(*inputs)
     finally:
         collectives.settle_pending()  # a step that issued no collective still checks its rank agreement
     user_leaves = dict(compiled.captured.user_out_constants)
