@@ -22,14 +22,15 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples"), os.path.join(HERE, "
 import torch  # noqa: E402
 
 import zerofx  # noqa: E402
+from zerofx.fast_calls import bindings_graph  # noqa: E402
 from nanogpt import GPT, GPTConfig, param_groups  # noqa: E402
 from peers.systems import _train_step  # noqa: E402
 
 CFG = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
 
 
-def _aten_calls(code: str) -> int:
-    return code.count("torch.ops.aten.")
+def _aten_calls(graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
 
 
 def run(stage: int, steps: int) -> None:
@@ -47,7 +48,7 @@ def run(stage: int, steps: int) -> None:
             step(model, optimizer, x, y)
     compiled = systems["overloads"][0]._last
     compiled.__dict__["runnable"] = compiled.gm  # this one runs the final graph itself
-    before, after = _aten_calls(compiled.gm.code), _aten_calls(systems["bindings"][0]._last.runnable.code)
+    before, after = _aten_calls(compiled.gm.graph), _aten_calls(bindings_graph(compiled.gm))
     print(f"stage {stage}: {before - after} of {before} ATen calls through bindings")
     times = {name: [] for name in systems}
     losses = {name: [] for name in systems}

@@ -80,3 +80,12 @@ def test_the_graph_it_was_made_from_is_left_as_it_was_and_no_copy_is_kept():
 
 def _nodes_alive() -> int:
     return sum(1 for o in gc.get_objects() if type(o) is fx.Node)
+
+
+def test_a_lazily_compiled_graph_taking_and_returning_pytrees_runs_as_the_graph_does():
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    inputs = {"a": torch.randn(3), "b": torch.randn(3)}
+    with _use_lazy_graph_module(True):  # its code, and the input and output specs that code reads, made on demand
+        gm = make_fx(lambda d: {"sum": aten.add.Tensor(d["a"], d["b"])}, tracing_mode="fake")(inputs)
+    assert torch.equal(fast_calls(gm)(inputs)["sum"], inputs["a"] + inputs["b"])

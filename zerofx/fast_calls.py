@@ -39,11 +39,12 @@ class Runnable:
     _sources = itertools.count()
 
     def __init__(self, gm: fx.GraphModule, graph: fx.Graph):
+        gm.code  # noqa: B018: a lazily compiled module sets what its code reads (pytree specs) as it first makes it
         python_code = graph.python_code(root_module="self")
         self.code = python_code.src
         filename = f"<zerofx step {next(self._sources)}>"
         linecache.cache[filename] = (len(self.code), None, self.code.splitlines(True), filename)  # for tracebacks
-        exec(compile(self.code, filename, "exec"), python_code.globals)
+        exec(compile(self.code, filename, "exec", dont_inherit=True), python_code.globals)
         self._forward = functools.partial(python_code.globals["forward"], gm)
 
     def __call__(self, *inputs):
@@ -63,12 +64,18 @@ def bindings_graph(gm: fx.GraphModule) -> fx.Graph:
     graph._codegen = gm.graph._codegen
     copies: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, copies))
-    checked: dict[tuple, tuple[str, Any] | None] = {}
     try:
-        fake_mode = fake_mode_of(gm.graph)
-    except ValueError:  # no fake metadata to check bindings on: run the graph as it is
-        return graph
+        _rewrite_calls(list(copies.values()), fake_mode_of(gm.graph))
+    except ValueError:  # no fake metadata to check bindings on: the graph's calls as they are
+        pass
     for node in copies.values():
+        node.meta = {}  # read by the checks only
+    return graph
+
+
+def _rewrite_calls(nodes: list[fx.Node], fake_mode) -> None:
+    checked: dict[tuple, tuple[str, Any] | None] = {}
+    for node in nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         key = (node.target, _argument_kinds(node))
@@ -76,9 +83,6 @@ def bindings_graph(gm: fx.GraphModule) -> fx.Graph:
             checked[key] = _binding_of(node, fake_mode)
         if checked[key] is not None:
             node.op, node.target = checked[key]
-    for node in copies.values():
-        node.meta = {}  # read by the checks only
-    return graph
 
 
 def _argument_kinds(node: fx.Node) -> tuple:

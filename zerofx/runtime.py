@@ -142,7 +142,8 @@ class CompiledGraph:
 
     @functools.cached_property
     def runnable(self) -> Runnable:
-        """The graph as it runs: ``gm`` with its ATen calls through torch's faster bindings (`fast_calls`)."""
+        """The step as it runs from its second call: code generated from ``gm``'s graph with its ATen calls through
+        torch's faster bindings (`fast_calls`)."""
         return fast_calls(self.gm)
 
     @functools.cached_property
