@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import torch
 from zerofx.memory import HEURISTICS, Block, plan, read_csv, write_csv
 from zerofx.memory.lifetimes import Lifetime
+from zerofx.memory.planner import Problem
 from zerofx.memory.pools import BY_CLASS, JOINT, place
 
 DATA = Path(__file__).parent / "data"
@@ -71,6 +72,43 @@ def test_plan_is_valid_and_deterministic(blocks, alignment, heuristic):
     assert plan(blocks, alignment=alignment, heuristics=[heuristic]) == result
     assert plan(np.array(blocks, dtype=np.int64).reshape(-1, 3), alignment, heuristics=[heuristic]) == result
     assert plan([Block(*b, id=str(i)) for i, b in enumerate(blocks)], alignment, heuristics=[heuristic]) == result
+
+
+def greedy(blocks, order, alignment, rule):
+    """Blocks placed one by one in ``order`` the textbook way: scan the placed blocks that overlap in time, bottom
+    up, for the lowest gap that fits (first-fit) or the smallest one (best-fit, the lowest of equals), else the top."""
+    offsets = [0] * len(blocks)
+    placed = []
+    for i in order:
+        size, start, end = aligned(blocks[i][0], alignment), blocks[i][1], blocks[i][2]
+        taken = sorted((offsets[j], offsets[j] + aligned(blocks[j][0], alignment)) for j in placed
+                       if blocks[j][1] < end and start < blocks[j][2])
+        gaps, top = [], 0
+        for lo, hi in taken:
+            if lo - top >= size:
+                gaps.append((lo - top, top))
+            top = max(top, hi)
+        fitting = gaps if rule == "first-fit" else sorted(gaps)
+        offsets[i] = fitting[0][1] if fitting else top
+        placed.append(i)
+    return tuple(offsets)
+
+
+@settings(max_examples=150, deadline=None)
+@given(lifetimes, st.sampled_from([1, 8, 64]))
+def test_every_heuristic_places_as_the_textbook_greedy_and_the_smallest_wins(blocks, alignment):
+    """The heuristics run together (`Problem.place`); each must place exactly as it would alone, scanning gaps."""
+    problem = Problem(np.array(blocks, dtype=np.int64).reshape(-1, 3), alignment)
+    arenas = []
+    for name in HEURISTICS:
+        alone = plan(blocks, alignment, heuristics=[name])
+        assert alone.offsets == greedy(blocks, problem.order(name.split("/")[0]).tolist(), alignment,
+                                       name.split("/")[1]), name
+        arenas.append(alone.arena_bytes)
+    together = plan(blocks, alignment, heuristics=HEURISTICS)
+    assert_valid(blocks, together, alignment)
+    assert together.arena_bytes == min(arenas)
+    assert together.heuristic == HEURISTICS[arenas.index(min(arenas))]
 
 
 def _lifetimes_of(blocks, classes):
@@ -135,6 +173,8 @@ def test_invalid_blocks_are_refused():
         plan([(8, 0, 1)], alignment=0)
     with pytest.raises(ValueError):
         plan([(8, 0, 1)], heuristics=["largest/first-fit"])
+    with pytest.raises(ValueError, match="more than the planner places"):
+        plan([(1 << 57, 0, 2), (1 << 57, 1, 3)])
 
 
 def test_command_line_solves_a_file_the_planner_wrote(tmp_path):
