@@ -2,6 +2,7 @@
 the graph names, and computes bitwise what the graph computes."""
 
 import gc
+import sys
 
 import torch
 import torch.fx as fx
@@ -60,6 +61,46 @@ def test_an_overload_no_binding_reaches_keeps_its_overload():
     assert "where" not in {n.target for n in graph.nodes if n.op == "call_method"}
     code = fast_calls(_traced()).code  # what runs is that graph's code
     assert "torch.ops.aten.add.Scalar(" in code and "torch.ops.aten.addmm.default(" not in code
+
+
+def _writes_out(x, w, table, idx, mm, total, looked_up, normed, mean, rstd):
+    aten.mm.out(x, w, out=mm)
+    aten.sum.IntList_out(x, [0], out=total)
+    aten.embedding.out(table, idx, out=looked_up)  # an out= variant made up from embedding: no binding takes it
+    aten.native_layer_norm.out(x, [x.shape[-1]], None, None, 1e-5, out0=normed, out1=mean, out2=rstd)
+    return mm, total, looked_up, normed, mean, rstd
+
+
+def _out_inputs():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(4, 6, generator=g), torch.randn(6, 3, generator=g), torch.randn(7, 6, generator=g),
+            torch.tensor([0, 3, 6]), torch.empty(4, 3), torch.empty(6), torch.empty(3, 6), torch.empty(4, 6),
+            torch.empty(4, 1), torch.empty(4, 1))
+
+
+def test_out_variants_find_their_bindings_without_trying_ones_that_cannot_take_out():
+    """Methods take no ``out=``, nor do the bindings of out= variants made up from functional ops: trying them
+    raises, and each C++ exception pages in unwinding tables a process would not touch otherwise."""
+    gm = make_fx(_writes_out, tracing_mode="fake")(*_out_inputs())
+    raised = []
+
+    def trace(frame, event, arg):
+        if event == "exception" and frame.f_code.co_filename.endswith("fast_calls.py") \
+                and not issubclass(arg[0], (GeneratorExit, StopIteration)):  # generators closing, not errors
+            raised.append(arg[1])
+        return trace
+
+    sys.settrace(trace)
+    try:
+        graph = bindings_graph(gm)
+    finally:
+        sys.settrace(None)
+    assert raised == []
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert torch.mm in targets and torch.sum in targets
+    assert aten.embedding.out in targets and aten.native_layer_norm.out in targets
+    want, got = gm(*_out_inputs()), fast_calls(gm)(*_out_inputs())
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
 def test_the_graph_it_was_made_from_is_left_as_it_was_and_no_copy_is_kept():
