@@ -105,9 +105,9 @@ class Problem:
         self.start, self.end = rows[:, 1], rows[:, 2]
         # blocks that hold no byte at any time (empty size or lifetime) overlap nothing and sit at offset 0
         self.active = np.flatnonzero((self.size > 0) & (self.end > self.start))
-        if self.size[self.active].sum(dtype=np.float64) >= _VALUES:
-            raise ValueError(f"the blocks total {self.size[self.active].sum(dtype=np.float64):.3g} bytes, more "
-                             f"than the planner places ({_VALUES:.3g})")
+        total = sum(self.size[self.active].tolist())  # Python integers: a sum that cannot overflow
+        if total >= _VALUES:
+            raise ValueError(f"the blocks total {total:,} bytes, more than the planner places ({_VALUES:,})")
         self.ptr, self.adj = self._overlaps()
         self.live, self.first_slot, self.end_slot = self._profile()
         self.lower_bound = int(self.live.max()) if self.live.size else 0
