@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import torch
 from zerofx.memory import HEURISTICS, Block, plan, read_csv, write_csv
 from zerofx.memory.lifetimes import Lifetime
+from zerofx.memory import planner
 from zerofx.memory.planner import Problem
 from zerofx.memory.pools import BY_CLASS, JOINT, place
 
@@ -111,6 +112,22 @@ def test_every_heuristic_places_as_the_textbook_greedy_and_the_smallest_wins(blo
     assert together.heuristic == HEURISTICS[arenas.index(min(arenas))]
 
 
+def test_placement_across_many_runs_of_steps_and_far_apart_times(monkeypatch):
+    """The neighbour lists are built a run of steps at a time (`Problem._chunks`): with runs of a few steps, 250
+    blocks, times around ±10**12 and all heuristics together, each places as it does alone and as the greedy scan."""
+    monkeypatch.setattr(planner, "_ENTRIES_PER_CHUNK", 50)
+    rng = np.random.default_rng(7)
+    start = rng.integers(-40, 40, 250) * 10**10
+    blocks = [(int(s), int(a), int(a + d)) for s, a, d in
+              zip(rng.integers(0, 5000, 250), start, rng.integers(0, 30, 250) * 10**10)]
+    problem = Problem(np.array(blocks, dtype=np.int64), 8)
+    assert len(problem._chunks(np.stack([problem.order("size")] * 2, axis=1))) > 100
+    together = problem.place(list(HEURISTICS))
+    for name, offsets in zip(HEURISTICS, together):
+        order_key, rule = name.split("/")
+        assert tuple(offsets.tolist()) == greedy(blocks, problem.order(order_key).tolist(), 8, rule), name
+
+
 def _lifetimes_of(blocks, classes):
     device = torch.device("cpu")
     return [Lifetime(f"b{i}", None, size, start, end, category, device, False)
@@ -173,8 +190,10 @@ def test_invalid_blocks_are_refused():
         plan([(8, 0, 1)], alignment=0)
     with pytest.raises(ValueError):
         plan([(8, 0, 1)], heuristics=["largest/first-fit"])
-    with pytest.raises(ValueError, match="more than the planner places"):
+    with pytest.raises(ValueError, match="the planner places fewer than"):
         plan([(1 << 57, 0, 2), (1 << 57, 1, 3)])
+    with pytest.raises(ValueError, match="a block of"):  # rounded up to 64, it would wrap round to a negative size
+        plan([(2**63 - 60, 0, 2), (5, 1, 3)])
 
 
 def test_command_line_solves_a_file_the_planner_wrote(tmp_path):

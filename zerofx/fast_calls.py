@@ -9,11 +9,13 @@ kinds: Python types, and dtype and dimensions of tensors) on fresh fake tensors,
 dispatches; it is used only if it dispatched that overload alone, with the same tensors in the same order and the
 same other arguments. A method is tried only for an op whose first argument is ``self`` (``where(condition, self,
 other)`` is not ``condition.where(...)``) and no ``out=``, which no method takes; nothing is tried for an ``out=``
-variant torch made up from its functional op (tagged ``generated``), which no binding takes: a binding that refuses
-its arguments throws a C++ exception, whose unwinding pages in tables (a megabyte of them over a planned step's
-``out=`` calls) that the process would otherwise never read. The graph kept for dumps, statistics and memory probes is left as it was:
-a copy is rewritten, its code generated, and the copy let go (a graph with its nodes is a megabyte or two of Python
-objects on a small model, held as long as the step is cached).
+variant torch made up from its functional op (tagged ``generated``, and not a ``view_copy``, whose bindings torch
+does make), which no binding takes: a binding that refuses its arguments throws a C++ exception, whose unwinding
+pages in tables (a megabyte of them over a planned step's ``out=`` calls) the process would otherwise never read.
+
+The graph kept for dumps, statistics and memory probes is left as it was: a copy is rewritten, its code generated,
+and the copy let go (a graph with its nodes is a megabyte or two of Python objects on a small model, held as long as
+the step is cached).
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def _binding_of(node: fx.Node, fake_mode) -> tuple[str, Any] | None:
     name = node.target.overloadpacket.__name__
     schema = node.target._schema
     writes_out = any(a.is_out for a in schema.arguments)
-    if writes_out and torch.Tag.generated in node.target.tags:
+    if writes_out and torch.Tag.generated in node.target.tags and torch.Tag.view_copy not in node.target.tags:
         return None  # an out= variant made up from the functional op: no binding takes its out=
     candidates: list[tuple[str, Any]] = []
     if schema.arguments and schema.arguments[0].name == "self" and node.args and not writes_out \

@@ -3,9 +3,10 @@
 This is static memory allocation (the offline "dynamic storage allocation" problem): NP-hard, but greedy placement
 in a good order usually lands close to the bound that no plan can beat, the most bytes alive at once. A heuristic
 is an order (largest first, earliest first, ...) and a placement rule: a block goes to the lowest gap among the
-blocks already placed that overlap it in time ("first-fit"), or to the tightest such gap ("best-fit"). The
-heuristics run together and the smallest arena wins (the first listed of equals). Given a time budget, a
-branch-and-bound search then looks for a smaller arena (`zerofx.memory.search`).
+blocks already placed that overlap it in time ("first-fit"), or to the tightest such gap ("best-fit"). The first
+heuristic runs alone (on a step's buffers it usually reaches the bound, and the run stops there), the others
+together; the smallest arena wins, the first listed of equals. Given a time budget, a branch-and-bound search then
+looks for a smaller arena (`zerofx.memory.search`).
 
 Lifetimes are half-open, [start, end): a block freed at t and one allocated at t may share bytes. Times are any
 integers (node positions in a graph, say). Sizes are rounded up to ``alignment`` before placement, so every offset
@@ -60,16 +61,21 @@ def plan(blocks, alignment: int = 64, time_budget_s: float = 0.0,
     (problems of up to `search.MAX_BLOCKS` blocks); a search that completes is deterministic too and proves the
     result optimal, one cut short by the clock keeps the best arena found so far.
     """
+    heuristics = list(dict.fromkeys(heuristics))
     unknown = [h for h in heuristics if h not in HEURISTICS]
     if unknown or not heuristics:
-        raise ValueError(f"heuristics must be among {HEURISTICS}, not {list(heuristics)}")
-    heuristics = list(dict.fromkeys(heuristics))
+        raise ValueError(f"heuristics must be among {HEURISTICS}, not {heuristics}")
     began = time.perf_counter()
     problem = Problem(_as_array(blocks), alignment)
-    placed = problem.place(heuristics)
-    arenas = [problem.arena(offsets) for offsets in placed]
-    best = min(range(len(heuristics)), key=arenas.__getitem__)  # the first of equals
-    offsets, arena, name = placed[best], arenas[best], heuristics[best]
+    best = None
+    for group in (heuristics[:1], heuristics[1:]):
+        if best is not None and (best[1] == problem.lower_bound or not group):
+            break
+        for name, offsets in zip(group, problem.place(group)):
+            arena = problem.arena(offsets)
+            if best is None or arena < best[1]:  # the first of equals
+                best = (offsets, arena, name)
+    offsets, arena, name = best
     optimal = arena == problem.lower_bound
     if time_budget_s > 0 and not optimal:
         from zerofx.memory.search import search  # the search needs the problem, which this module defines
@@ -101,13 +107,16 @@ class Problem:
         if alignment < 1:
             raise ValueError("alignment must be at least 1")
         self.n = len(rows)
+        if self.n and int(rows[:, 0].max()) >= _VALUES:  # (and rounding up below cannot overflow)
+            raise ValueError(f"a block of {int(rows[:, 0].max()):,} bytes: the planner places fewer than "
+                             f"{_VALUES:,} in all")
         self.size = -(-rows[:, 0] // alignment) * alignment
         self.start, self.end = rows[:, 1], rows[:, 2]
         # blocks that hold no byte at any time (empty size or lifetime) overlap nothing and sit at offset 0
         self.active = np.flatnonzero((self.size > 0) & (self.end > self.start))
         total = sum(self.size[self.active].tolist())  # Python integers: a sum that cannot overflow
         if total >= _VALUES:
-            raise ValueError(f"the blocks total {total:,} bytes, more than the planner places ({_VALUES:,})")
+            raise ValueError(f"the blocks total {total:,} bytes: the planner places fewer than {_VALUES:,}")
         self.ptr, self.adj = self._overlaps()
         self.live, self.first_slot, self.end_slot = self._profile()
         self.lower_bound = int(self.live.max()) if self.live.size else 0
@@ -118,7 +127,7 @@ class Problem:
         Sorted by start, block p overlaps exactly the later blocks that start before p ends: one contiguous run
         each, found by binary search instead of comparing all pairs. The pairs, both ways round, are grouped by
         block with one sort of ``block << 32 | neighbour`` (a plain integer sort is several times faster than an
-        argsort)."""
+        argsort; blocks number fewer than 2**31)."""
         by_start = self.active[np.argsort(self.start[self.active], kind="stable")]
         starts = self.start[by_start]
         after = np.searchsorted(starts, self.end[by_start], side="left")
@@ -187,6 +196,7 @@ class Problem:
         about as much in numpy calls as in numpy work, and a step makes the same few calls however many blocks it
         places."""
         count, width = len(heuristics), self.n + 1  # per heuristic: the n blocks, then the interval [-1, 0)
+        assert count < 1 << (62 - _VALUE_BITS), "packed keys must stay below _NOT_FREE"
         keys = _Keys(count, width)
         lo, hi = keys.lo, keys.hi
         orders = np.stack([self.order(name.split("/")[0]) for name in heuristics], axis=1)
@@ -195,39 +205,48 @@ class Problem:
         ranks[np.arange(count)[:, None], orders.T] = np.arange(len(orders))
         best_fit = [h for h, name in enumerate(heuristics) if name.endswith("/best-fit")]
         padded = np.append(self.adj, self.n)
-        for chunk in range(0, len(orders), _STEPS_PER_CHUNK):
-            rows = orders[chunk:chunk + _STEPS_PER_CHUNK]
+        for chunk, chunk_end in self._chunks(orders):
+            rows = orders[chunk:chunk_end]
             neighbours, needs, bounds = self._placed_neighbours(rows, chunk, ranks, padded)
             run_starts = (bounds[:-1] - np.repeat(bounds[:-1:count], count)).reshape(len(rows), count)
             positions = np.arange(int(np.diff(bounds[::count]).max()) + 1)
-            targets, sizes, bounds = rows + np.arange(count) * width, self.size[rows], bounds.tolist()
+            targets, sizes, run_bounds = rows + np.arange(count) * width, self.size[rows], bounds.tolist()
             for step in range(len(rows)):
-                first, stop = bounds[step * count], bounds[step * count + count]
+                first, stop = run_bounds[step * count], run_bounds[step * count + count]
                 index = neighbours[first:stop]
                 starts, ends = lo[index], hi[index]
                 starts.sort()
                 ends.sort()
-                # the k-th sorted end has k + 1 ends at or below it (an equal end further on repeats the offset
-                # and counts right)
+                # the k-th sorted end has k + 1 ends at or below it; of equal ends only the last counts them all,
+                # and the ones before it, never free, repeat its offset
                 free = starts.searchsorted(ends + needs[first:stop]) == positions[1:stop - first + 1]
                 chosen = np.minimum.reduceat(np.where(free, positions[:stop - first], _NOT_FREE), run_starts[step])
                 for h in best_fit:
-                    a, z = bounds[step * count + h] - first, bounds[step * count + h + 1] - first
+                    a, z = run_bounds[step * count + h] - first, run_bounds[step * count + h + 1] - first
                     chosen[h] = a + _tightest(starts[a:z], ends[a:z], free[a:z])
                 at = ends[chosen]
                 lo[targets[step]], hi[targets[step]] = at, at + sizes[step]
         return [keys.offsets(h) for h in range(count)]
 
+    def _chunks(self, orders: np.ndarray):
+        """Runs of steps whose neighbour lists, before dropping the unplaced, hold about `_ENTRIES_PER_CHUNK`
+        entries: the lists of a whole problem would hold every pair of overlapping blocks once per heuristic."""
+        entries = np.cumsum((np.diff(self.ptr)[orders] + 1).sum(axis=1))
+        cuts = np.flatnonzero(np.diff(entries // _ENTRIES_PER_CHUNK)) + 1
+        bounds = [0, *cuts.tolist(), len(orders)]
+        return [(first, stop) for first, stop in zip(bounds[:-1], bounds[1:]) if stop > first]
+
     def _placed_neighbours(self, rows: np.ndarray, chunk: int, ranks: np.ndarray, padded: np.ndarray):
         """For the blocks ``rows[step, h]``, one run each, step by step: the places among the packed keys of
-        heuristic h's placed neighbours (the interval [-1, 0) first), each entry's block size, the runs' bounds."""
+        heuristic h's placed neighbours (the interval [-1, 0) first), beside each the size of the block the run is
+        for, and the runs' bounds."""
         count, width = ranks.shape
         blocks = rows.ravel()
         counts = np.diff(self.ptr)[blocks] + 1
         starts = np.cumsum(counts) - counts
         within = np.arange(counts.sum()) - np.repeat(starts, counts)
-        # a run's first entry reads one before the block's neighbours (``padded`` has an entry there even where
-        # no block has any), then becomes [-1, 0)
+        # a run's first entry reads the entry before the block's neighbours (for block 0, index -1: ``padded``'s
+        # last, which is also there where no block has neighbours), then becomes [-1, 0)
         neighbours = padded[np.repeat(self.ptr[blocks] - 1, counts) + within]
         neighbours[starts] = self.n
         neighbours += np.repeat(np.tile(np.arange(count) * width, len(rows)), counts)
@@ -258,7 +277,7 @@ _VALUE_BITS = 58
 _VALUES = (1 << _VALUE_BITS) - 1
 _NOT_FREE = 1 << 62  # above every key and every position
 _TOP = np.array([_NOT_FREE])
-_STEPS_PER_CHUNK = 128
+_ENTRIES_PER_CHUNK = 1 << 17  # a few megabytes of index arrays at once; larger runs place no faster
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:
