@@ -67,15 +67,12 @@ def plan(blocks, alignment: int = 64, time_budget_s: float = 0.0,
         raise ValueError(f"heuristics must be among {HEURISTICS}, not {heuristics}")
     began = time.perf_counter()
     problem = Problem(_as_array(blocks), alignment)
-    best = None
-    for group in (heuristics[:1], heuristics[1:]):
-        if best is not None and (best[1] == problem.lower_bound or not group):
-            break
-        for name, offsets in zip(group, problem.place(group)):
-            arena = problem.arena(offsets)
-            if best is None or arena < best[1]:  # the first of equals
-                best = (offsets, arena, name)
-    offsets, arena, name = best
+    placed = problem.place(heuristics[:1])
+    if problem.arena(placed[0]) > problem.lower_bound and len(heuristics) > 1:
+        placed += problem.place(heuristics[1:])
+    arenas = [problem.arena(offsets) for offsets in placed]
+    best = arenas.index(min(arenas))  # the first of equals
+    offsets, arena, name = placed[best], arenas[best], heuristics[best]
     optimal = arena == problem.lower_bound
     if time_budget_s > 0 and not optimal:
         from zerofx.memory.search import search  # the search needs the problem, which this module defines
@@ -118,6 +115,7 @@ class Problem:
         if total >= _VALUES:
             raise ValueError(f"the blocks total {total:,} bytes: the planner places fewer than {_VALUES:,}")
         self.ptr, self.adj = self._overlaps()
+        self.degree = np.diff(self.ptr)  # neighbours per block
         self.live, self.first_slot, self.end_slot = self._profile()
         self.lower_bound = int(self.live.max()) if self.live.size else 0
 
@@ -165,7 +163,7 @@ class Problem:
             "duration": (-size, -duration),
             "area": (-size, -(size * duration)),
             "contention": (-size, -self._peak_over_lifetime()[a]),
-            "degree": (-size, -np.diff(self.ptr)[a]),
+            "degree": (-size, -self.degree[a]),
             "start": (-size, self.start[a]),
         }[key]
         return a[np.lexsort(keys)]  # lexsort sorts by the last key first
@@ -231,7 +229,7 @@ class Problem:
     def _chunks(self, orders: np.ndarray):
         """Runs of steps whose neighbour lists, before dropping the unplaced, hold about `_ENTRIES_PER_CHUNK`
         entries: the lists of a whole problem would hold every pair of overlapping blocks once per heuristic."""
-        entries = np.cumsum((np.diff(self.ptr)[orders] + 1).sum(axis=1))
+        entries = np.cumsum((self.degree[orders] + 1).sum(axis=1))
         cuts = np.flatnonzero(np.diff(entries // _ENTRIES_PER_CHUNK)) + 1
         bounds = [0, *cuts.tolist(), len(orders)]
         return [(first, stop) for first, stop in zip(bounds[:-1], bounds[1:]) if stop > first]
@@ -242,7 +240,7 @@ class Problem:
         for, and the runs' bounds."""
         count, width = ranks.shape
         blocks = rows.ravel()
-        counts = np.diff(self.ptr)[blocks] + 1
+        counts = self.degree[blocks] + 1
         starts = np.cumsum(counts) - counts
         within = np.arange(counts.sum()) - np.repeat(starts, counts)
         # a run's first entry reads the entry before the block's neighbours (for block 0, index -1: ``padded``'s
