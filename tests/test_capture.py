@@ -197,3 +197,23 @@ def test_graphs_after_each_pass_are_kept_when_asked():
     kept(model, opt, *token_batch(1, 0))
     assert "aten.embedding" in kept.graph("capture").code
     assert kept.graph("plan_memory").code == kept.graph().code == plain.graph().code
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_another_step_took_is_named(stage):
+    """From stage 1 on a step owns its model's parameters and empties the originals: a second step over the same
+    model, or ``prepare``, is refused with the parameter's name before tracing would read an empty tensor."""
+    model, opt = gpt_and_adamw()
+    zerofx.compile(train_step, stage=stage)(model, opt, *token_batch(0, 0))
+    with pytest.raises(zerofx.CaptureError, match="parameter 'wte.weight' was taken by another zerofx step"):
+        zerofx.compile(train_step, stage=stage)(model, opt, *token_batch(1, 0))
+    with pytest.raises(zerofx.CaptureError, match="parameter 'wte.weight' was taken"):
+        zerofx.prepare(model, opt, stage=stage)
+
+
+def test_at_stage_0_a_second_step_trains_the_same_model():
+    model, opt = gpt_and_adamw()
+    ref_model, ref_opt = gpt_and_adamw()
+    for i, step in enumerate([zerofx.compile(train_step), zerofx.compile(train_step)]):
+        loss = step(model, opt, *token_batch(i, 0))
+        torch.testing.assert_close(loss, train_step(ref_model, ref_opt, *token_batch(i, 0)).detach())

@@ -20,7 +20,7 @@ from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext
-from zerofx.sharded_state import ShardedState
+from zerofx.sharded_state import ShardedState, refuse_taken
 from zerofx.sharding import ParamLayout
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, measure
@@ -272,6 +272,7 @@ class CompiledStep:
                                    "compile a new step for other ones")
             first = self._binding is None
             self._binding, self._binding_ids = StepBinding.from_args(args), ids
+            refuse_taken(self._binding)
             if first and self._dp.size > 1:
                 runtime.sync_module_states(self._binding, self._dp.group)
         return self._binding

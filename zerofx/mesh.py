@@ -123,5 +123,15 @@ def wrap(local_tensor: torch.Tensor, spec) -> DTensor:
 
 def release(tensor: torch.Tensor) -> None:
     """Free a tensor's memory in place, keeping the object (and, for a DTensor, its spec)."""
-    target = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    target = local(tensor)
     target.data = torch.empty(0, dtype=target.dtype, device=target.device)
+    setattr(target, _RELEASED, True)
+
+
+def released(tensor: torch.Tensor) -> bool:
+    """Whether `release` freed ``tensor``'s memory and nothing has filled it since."""
+    target = local(tensor)
+    return getattr(target, _RELEASED, False) and target.numel() == 0
+
+
+_RELEASED = "_zerofx_released"  # an attribute of what `release` freed

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from zerofx.binding import StepBinding
-from zerofx.mesh import local, release
+from zerofx.errors import CaptureError
+from zerofx.mesh import local, release, released
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.sharding import ParamLayout
 from zerofx.step_graph import Role, Slot
@@ -152,3 +153,15 @@ class ShardedState:
             value = self.opt_state[(slot.optimizer, slot.fqn, slot.key)]
             return torch.empty(layout.shape, dtype=value.dtype, device=value.device)
         return self.opt_state.get((slot.optimizer, slot.fqn, slot.key)) if slot.role == Role.OPT_STATE else None
+
+
+def refuse_taken(binding: StepBinding) -> None:
+    """Refuse, naming it, a parameter another step or ``prepare`` took and emptied: its values live with that one,
+    and tracing its empty original would fail deep inside the model."""
+    for fqn, p in binding.params.items():
+        if released(p):
+            raise CaptureError(
+                f"parameter '{fqn}' was taken by another zerofx step or zerofx.prepare, which owns "
+                "its values from stage 1 on and left the original empty",
+                hint="keep calling the step that took it (eval mode, a new batch shape or an unfrozen parameter "
+                     "re-trace that step), or load zerofx.full_state_dict(that step) into a new model and optimizer")

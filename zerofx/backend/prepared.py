@@ -26,6 +26,7 @@ from zerofx.binding import StepBinding
 from zerofx.collectives import CollectiveRecord
 from zerofx.mesh import DTensorSpecs, MeshRanks, mesh_ranks
 from zerofx.mixed_precision import MixedPrecision
+from zerofx.sharded_state import refuse_taken
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, model_state_bytes, ring_volume, step_formula, trainable_numel
 from zerofx.step_graph import Role, Slot
@@ -42,6 +43,7 @@ class Prepared:
         self.ranks = mesh_ranks(config.mesh)
         self.control_group = _control_group(self.ranks)
         self._binding = StepBinding.from_args((model, optimizer))
+        refuse_taken(self._binding)
         self._args = (model, optimizer)
         self.shards: Shards | None = None  # stages 1-3 and mixed precision, from `shard`
         self._owned = None  # the sharded state (`zerofx.state_dict` reads it as a step's)
