@@ -213,3 +213,10 @@ def test_command_line_solves_a_file_the_planner_wrote(tmp_path):
     solved, offsets = read_csv(solution)
     assert solved == blocks and offsets == list(expected.offsets)
     assert_valid([(b.size, b.start, b.end) for b in solved], expected, 1)
+
+
+def test_area_order_with_products_past_int64():
+    """Sizes and durations of 2**40 and more: ``area`` orders by the true product, which int64 would wrap."""
+    blocks = [(2**40, 0, 2**41), (2**42, 0, 2**40), (2**41, 0, 2**43), (2**30, 0, 2**50)]
+    order = Problem(np.array(blocks, dtype=np.int64), 1).order("area").tolist()
+    assert order == sorted(range(4), key=lambda i: (-blocks[i][0] * (blocks[i][2] - blocks[i][1]), -blocks[i][0]))

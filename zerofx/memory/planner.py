@@ -161,7 +161,7 @@ class Problem:
         keys = {
             "size": (-duration, -size),
             "duration": (-size, -duration),
-            "area": (-size, -(size * duration)),
+            "area": (-size, -(size * duration.astype(np.float64))),  # in int64 it overflows past 2**63
             "contention": (-size, -self._peak_over_lifetime()[a]),
             "degree": (-size, -self.degree[a]),
             "start": (-size, self.start[a]),
