@@ -10,8 +10,9 @@ incoming gradients returns its own outside the arena: the next call, which reads
 them out first. Buffers alive at the same time never share a byte (`zerofx.memory.plan`), so long- and short-lived
 tensors never interleave in an allocator's free lists, and a step asks the allocator only for what is not planned.
 The arena is one joint plan or one pool per lifetime class, whichever is smaller (`zerofx.memory.pools`). What is
-left to the allocator (collectives' results, ops returning several tensors, ops without an ``out=`` variant, strided
-outputs) is counted by class in the report.
+left to the allocator (collectives' results, ops returning several tensors, ops without an ``out=`` variant or with
+one torch generated from the functional op, which allocates and copies, strided outputs) is counted by class in the
+report.
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ def _why_not(node: fx.Node, spans: list[Lifetime], end_of_step: int, grads_stay:
     variant = _out_variant(node.target)
     if variant is None or len(variant[1]) != len(vals):
         return f"no out= variant ({node.target.overloadpacket.__name__})"
+    if torch.Tag.generated in variant[0].tags:
+        # torch made this out= variant from the functional op: it allocates the result as the op would, then copies
+        return f"an out= variant that allocates and copies ({node.target.overloadpacket.__name__})"
     if not all(v.is_contiguous() and v.storage_offset() == 0
                and v.untyped_storage().nbytes() == v.numel() * v.element_size() for v in vals):
         return "strided output"

@@ -398,3 +398,19 @@ def test_a_region_that_recomputing_would_change_is_left_as_it_is_with_a_warning(
     assert ctx.artifacts["recomputed"] == {}
     reason = "running statistics a second time" if batch_norm else "writes into"
     assert sum(reason in r.getMessage() for r in caplog.records) == 2, [r.getMessage() for r in caplog.records]
+
+
+def test_plan_memory_leaves_out_variants_torch_made_up_to_the_allocator():
+    """``native_layer_norm.out`` is generated from the functional op: it allocates the result, then copies it into
+    ``out``. Planned, it would cost a copy and save no allocation: it is left, with that reason, and ``mm`` (a real
+    ``out=`` kernel) writes into the arena."""
+    from zerofx.passes.plan_memory import plan_memory
+
+    gm = _captured()
+    ctx = PassContext(0, 1, None, 0, memory_plan=True)
+    plan_memory(gm, ctx)
+    aten = torch.ops.aten
+    targets = {n.target for n in gm.graph.nodes}
+    assert aten.native_layer_norm.default in targets and aten.native_layer_norm.out not in targets
+    assert aten.mm.out in targets
+    assert ctx.artifacts["memory_plan"].left["an out= variant that allocates and copies (native_layer_norm)"] > 0
