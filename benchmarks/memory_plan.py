@@ -9,7 +9,9 @@ how far it rises during the timed steps above the resident set they start from (
 ``/proc/self/clear_refs``). After the timed steps the resident set is split into anonymous memory (heap, arena,
 Python objects) and mapped files (the code of the libraries the process has run so far). Only after that does the
 process measure with the profiler and the tracker. Allocator traffic is the blocks freed in one step after warm-up
-(``torch.profiler.profile(profile_memory=True)``); peak bytes are `zerofx.LiveStorageTracker`'s over one step,
+(``torch.profiler.profile(profile_memory=True)``), and, where a C compiler and ``LD_PRELOAD`` are at hand (Linux),
+the tensor allocations a step makes, counted in a process of its own by ``c10_allocations.c``: the profiler misses a
+block an op allocates and frees before it returns. Peak bytes are `zerofx.LiveStorageTracker`'s over one step,
 counting the step's state from the start; step time is the median over interleaved rounds.
 """
 
@@ -22,6 +24,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,7 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = {"small": (8, 64, 128), "large": (32, 256, 256)}
 
 
-def measure(stage: int, planned: bool, checkpoint: str | None, steps: int, size: str) -> dict:
+def _setup(stage: int, planned: bool, checkpoint: str | None, size: str, batches: int):
+    """The compiled step, the benchmark GPT and its optimizer, and ``batches`` batches."""
     import torch
 
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
@@ -42,15 +46,22 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int, size:
 
     torch.manual_seed(0)
     batch_size, sequence, width = SIZES[size]
-    cfg = GPTConfig(vocab_size=65, block_size=sequence, n_layer=4, n_head=4, n_embd=width)
-    model = GPT(cfg)
+    model = GPT(GPTConfig(vocab_size=65, block_size=sequence, n_layer=4, n_head=4, n_embd=width))
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
-
     step = zerofx.compile(train_step, stage=stage, memory_plan=planned, checkpoint=checkpoint)
     g = torch.Generator().manual_seed(0)
     shape = (batch_size, sequence)
     batch = [(torch.randint(0, 65, shape, generator=g), torch.randint(0, 65, shape, generator=g))
-             for _ in range(steps + 3)]
+             for _ in range(batches)]
+    return step, model, opt, batch
+
+
+def measure(stage: int, planned: bool, checkpoint: str | None, steps: int, size: str) -> dict:
+    import torch
+
+    import zerofx
+
+    step, model, opt, batch = _setup(stage, planned, checkpoint, size, steps + 3)
     for x, y in batch[:2]:
         step(model, opt, x, y)
     # the resident figures and times first, from a process that has run nothing but the steps, as a user's has:
@@ -74,6 +85,34 @@ def measure(stage: int, planned: bool, checkpoint: str | None, steps: int, size:
         step(model, opt, *batch[2])
     return {"frees": frees, "peak_bytes": tracker.peak_bytes, "rss_kib": rss_kib, "steps_rss_kib": steps_rss_kib,
             "anon_kib": anon_kib, "file_kib": file_kib, "step_ms": statistics.median(times) * 1e3}
+
+
+def count_allocations(stage: int, planned: bool, checkpoint: str | None, size: str, counter: str) -> float:
+    """Tensor allocations per step after warm-up, read from ``counter`` (`c10_allocations.c`, preloaded)."""
+    import ctypes
+
+    allocations = ctypes.CDLL(counter).c10_allocations
+    allocations.restype = ctypes.c_long
+    step, model, opt, batch = _setup(stage, planned, checkpoint, size, 5)
+    for x, y in batch[:2]:
+        step(model, opt, x, y)
+    before = allocations()
+    for x, y in batch[2:]:
+        step(model, opt, x, y)
+    return (allocations() - before) / len(batch[2:])
+
+
+def _build_counter(directory: str) -> str | None:
+    """``c10_allocations.c`` built into ``directory``; None where there is no C compiler or no ``LD_PRELOAD``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    library = os.path.join(directory, "libc10_allocations.so")
+    try:
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", library, os.path.join(HERE, "c10_allocations.c"),
+                        "-ldl"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return library
 
 
 def _reset_resident_high_water():
@@ -109,33 +148,51 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one configuration, print its figures as JSON
+    parser.add_argument("--count-with", help=argparse.SUPPRESS)  # ... or count its allocations with this library
     args = parser.parse_args()
     if args.one:
         stage, planned = json.loads(args.one)
-        print(json.dumps(measure(stage, planned, args.checkpoint, args.steps, args.size)))
+        if args.count_with:
+            print(json.dumps(count_allocations(stage, planned, args.checkpoint, args.size, args.count_with)))
+        else:
+            print(json.dumps(measure(stage, planned, args.checkpoint, args.steps, args.size)))
         return
+    with tempfile.TemporaryDirectory() as directory:
+        counter = _build_counter(directory)
+        counts = {(stage, planned): _run_one(args, stage, planned, counter) if counter else None
+                  for stage in args.stages for planned in (False, True)}
     rows = {}
     for _ in range(args.rounds):
         for stage in args.stages:
             for planned in (False, True):
-                cmd = [sys.executable, __file__, "--one", json.dumps([stage, planned]), "--steps", str(args.steps),
-                       "--size", args.size]
-                if args.checkpoint:
-                    cmd += ["--checkpoint", args.checkpoint]
-                done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-                out = json.loads(done.stdout.splitlines()[-1])
-                rows.setdefault((stage, planned), []).append(out)
-    print(f"| stage | memory_plan | blocks freed per step | peak live bytes | resident high-water KiB, whole process "
-          f"| its rise over the timed steps | after them: anonymous KiB | mapped files KiB "
+                rows.setdefault((stage, planned), []).append(_run_one(args, stage, planned))
+    print(f"| stage | memory_plan | blocks freed per step (profiler) | tensor allocations per step | peak live bytes "
+          f"| resident high-water KiB, whole process | its rise over the timed steps | after them: anonymous KiB | mapped files KiB "
           f"| step ms (median of {args.rounds} rounds) |")
-    print("|--:|---|--:|--:|--:|--:|--:|--:|--:|")
+    print("|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for (stage, planned), runs in rows.items():
+        count = counts[(stage, planned)]
         print(f"| {stage} | {'yes' if planned else 'no'} | {statistics.median(r['frees'] for r in runs):.0f} | "
+              f"{'-' if count is None else f'{count:.0f}'} | "
               f"{statistics.median(r['peak_bytes'] for r in runs):,.0f} | "
               f"{statistics.median(r['rss_kib'] for r in runs):,.0f} | "
               f"{_median_or_dash([r['steps_rss_kib'] for r in runs])} | "
               f"{_median_or_dash([r['anon_kib'] for r in runs])} | {_median_or_dash([r['file_kib'] for r in runs])} | "
               f"{statistics.median(r['step_ms'] for r in runs):.1f} |")
+
+
+def _run_one(args, stage: int, planned: bool, counter: str | None = None):
+    """One configuration in a process of its own: its figures, or with ``counter`` its allocations per step."""
+    cmd = [sys.executable, __file__, "--one", json.dumps([stage, planned]), "--steps", str(args.steps),
+           "--size", args.size]
+    if args.checkpoint:
+        cmd += ["--checkpoint", args.checkpoint]
+    env = None
+    if counter:
+        cmd += ["--count-with", counter]
+        env = {**os.environ, "LD_PRELOAD": " ".join(filter(None, [os.environ.get("LD_PRELOAD"), counter]))}
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def _median_or_dash(values: list) -> str:
