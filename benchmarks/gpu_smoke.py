@@ -4,7 +4,8 @@ stage 3 in bf16 (casts of the masters gathered, or bf16 shards kept) trains and 
 eager; stage 3 with every block checkpointed and its checkpoints offloaded to pinned host memory matches eager too;
 stage 0 (planned by default) and stage 3 with ``memory_plan`` (intermediates in one arena) match eager, and so do
 stage 0 with ``memory_plan=False`` and stage 3 at its default; each line prints
-``max_memory_reserved`` beside ``max_memory_allocated``, planned and unplanned; the same eager loops around
+``max_memory_reserved`` beside ``max_memory_allocated`` and the allocations a step asks the caching allocator for,
+planned and unplanned; the same eager loops around
 ``torch.compile(model, backend=zerofx.backend(...))`` at stages 0 and 3 match eager.
 
     python benchmarks/gpu_smoke.py
@@ -58,6 +59,11 @@ def through_backend(stage):
     return make_step
 
 
+def _allocations() -> int:
+    """Blocks the CUDA caching allocator has handed out so far (its own count, cached blocks included)."""
+    return torch.cuda.memory_stats()["allocation.all.allocated"]
+
+
 def run(name, cfg, device, make_step, fn):
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -71,11 +77,13 @@ def run(name, cfg, device, make_step, fn):
         y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g).to(device)
         if i == 5:
             torch.cuda.synchronize()
-            start = time.perf_counter()
+            start, allocations = time.perf_counter(), _allocations()
+        if i == 19:  # the short batch re-traces: its step allocates anew
+            allocations = (_allocations() - allocations) / 14
         losses.append(step(model, opt, x, y).item())
     torch.cuda.synchronize()
     ms = (time.perf_counter() - start) / 15 * 1e3
-    print(f"{name:26s} final loss {losses[-1]:.5f}  {ms:.2f} ms/step  max allocated "
+    print(f"{name:26s} final loss {losses[-1]:.5f}  {ms:.2f} ms/step  {allocations:.0f} allocations/step  max allocated "
           f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB, reserved "
           f"{torch.cuda.max_memory_reserved() / 2**20:.1f} MiB")
     torch.cuda.empty_cache()  # reserved memory is measured per check
