@@ -26,8 +26,9 @@ def allgather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     sg = StepGraph(gm)
     layouts = ctx.artifacts["layouts"]
-    updated = {f: n for f, n in sg.tagged(Role.UPDATED_PARAM).items() if f in layouts}
     params = sg.params()
+    # a parameter this graph leaves as it found it (an evaluation, one without a gradient) holds its values already
+    updated = {f: n for f, n in sg.tagged(Role.UPDATED_PARAM).items() if f in layouts and n is not params[f]}
     done_order = sorted(updated, key=lambda f: sg.order[updated[f]])
     buckets = plan_buckets([(f, layouts[f].padded_numel, layouts[f].dtype) for f in done_order], ctx.bucket_bytes)
     output = sg.output

@@ -34,4 +34,7 @@ class PassContext:
     memory_plan: bool = False  # M_D: intermediates written into one arena, reused every step
     # stage 0: the per-step rank agreement rides on the first bucket (the data-parallel group is every rank)
     carry_agreement: bool = False
+    # parameters the step's state already owns (stages 1-3): stored as the trained ones are, even where this graph
+    # computes no gradient for them (an evaluation through the step)
+    owned_params: frozenset[str] = frozenset()
     artifacts: dict[str, Any] = field(default_factory=dict)  # what passes leave for the runtime and reports

@@ -37,7 +37,8 @@ def shard_optimizer_state(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             "the train step accumulates into .grad left by an earlier call",
             hint=f"stage {ctx.stage} owns the gradients: call optimizer.zero_grad() inside the step")
     n = ctx.world_size
-    trainable = {fqn: node for fqn, node in sg.params().items() if fqn in sg.tagged(Role.GRAD)}
+    trained = sg.tagged(Role.GRAD)
+    trainable = {fqn: node for fqn, node in sg.params().items() if fqn in trained or fqn in ctx.owned_params}
     layouts = {fqn: ParamLayout(fqn, tuple(node.meta["val"].shape), node.meta["val"].dtype, n)
                for fqn, node in trainable.items()}
     fake_mode = fake_mode_of(graph)

@@ -139,6 +139,39 @@ def changes_between_steps(rank, world_size, stage, precision):
             "losses": losses}
 
 
+def _train_or_evaluate(model, optimizer, x, y):
+    """One step function for both, as users write it: in eval mode, the loss under no_grad and no update."""
+    if not model.training:
+        with torch.no_grad():
+            return model(x, y)
+    return train_step(model, optimizer, x, y)
+
+
+def evaluate_between_steps(rank, world_size, stage, precision):
+    """An evaluation through the step before any training (it takes nothing yet), two steps, an evaluation (its
+    graph reads the parameters the step owns by then), a step, an evaluation, against the referee in eval mode."""
+    ref_model, ref_opt, ref_step = _reference(precision)
+    model, opt = gpt_and_adamw()
+    mixed = zerofx.MixedPrecision(PRECISIONS[precision]) if PRECISIONS[precision] else None
+    step = zerofx.compile(_train_or_evaluate, stage=stage, bucket_bytes=8 * 1024, mixed_precision=mixed)
+    losses, ref_losses = [], []
+    for i, mode in enumerate(["eval", "train", "train", "eval", "train", "eval"]):
+        for m in (model, ref_model):
+            m.train(mode == "train")
+        x, y = token_batch(i, rank)
+        losses.append(step(model, opt, x, y).item())
+        if mode == "train":
+            ref_losses.append(ref_step(x, y).item())
+        else:
+            with torch.no_grad():
+                ref_losses.append(ref_model(x, y).item())
+    tolerance = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}[precision]
+    torch.testing.assert_close(losses, ref_losses, rtol=tolerance, atol=0)
+    if precision == "fp32":
+        assert_matches_ddp(step, ref_model, ref_opt)
+    return {"traces": step.stats().traces}
+
+
 class _Collect(logging.Handler):
     def __init__(self, into: list):
         super().__init__(logging.WARNING)

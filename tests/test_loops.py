@@ -30,6 +30,16 @@ def test_short_batch_eval_step_and_weight_decay_change_retrace_once_each(ranks2,
     assert len(reasons) == 3 and "batch" in reasons[0] and "training" in reasons[1] and "weight_decay" in reasons[2]
 
 
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"),
+                                              (3, "bf16"), (2, "fp16")])
+def test_evaluating_through_the_step_under_no_grad_matches_the_referee(ranks2, stage, precision):
+    """From stage 1 on the step takes the parameters on its first call, an evaluation's too, and a graph that trains
+    nothing reads them where the step keeps them."""
+    result = ranks2.run(cases.evaluate_between_steps, stage=stage, precision=precision)[0]
+    # eval and train; at stage 0 the eval and train graphs again once .grad exists (the first graph read none)
+    assert result["traces"] == (4 if stage == 0 else 2)
+
+
 @pytest.mark.parametrize("stage, cast_at_gather", [(0, True), (1, True), (2, True), (3, True), (3, False)])
 def test_fp16_clipping_reads_unscaled_gradients_as_grad_scaler_unscale(ranks2, stage, cast_at_gather):
     """Stage 3 at its default units (one block each), the others with small buckets; stage 3 also with its fp16

@@ -243,16 +243,23 @@ class CompiledStep:
     def _take_state(self, binding, args, compiled, key, world_size, rank) -> None:
         """Own the trainable parameters and their optimizer state: all of them on the first call, a parameter
         unfrozen since when the graph that trains it is built."""
-        mixed = self.config.mixed_precision
+        mixed, stage = self.config.mixed_precision, self.config.stage
         layouts = compiled.ctx.artifacts.get("layouts") or {
-            fqn: ParamLayout(fqn, tuple(p.shape), mixed.param_dtype, world_size)
+            fqn: ParamLayout(fqn, tuple(p.shape), mixed.param_dtype if mixed else p.dtype, world_size)
             for fqn, p in binding.params.items() if p.requires_grad}
         if self._owned is not None:
             self._owned.absorb(binding, args, layouts)
             return
-        self._owned = ShardedState.take(binding, args, layouts, self.config.stage, rank, mixed, self._dp.group)
-        if self.config.stage >= 1:
+        self._owned = ShardedState.take(binding, args, layouts, stage, rank, mixed, self._dp.group)
+        if stage >= 1:
             self._owned_parts = guards.owned_parts(key)  # as they were before the originals were released
+
+    def _owned_params(self, binding: StepBinding) -> frozenset[str]:
+        """The parameters the step owns once this call has run: those it owns, or on its first call every trainable
+        one, whether or not the graph being built computes a gradient for it (an evaluation first)."""
+        if self._owned is not None:
+            return frozenset(self._owned.layouts)
+        return frozenset(fqn for fqn, p in binding.params.items() if p.requires_grad)
 
     def _refuse_refreezing(self, binding: StepBinding) -> None:
         if self._owned is None or self.config.stage == 0:
@@ -299,6 +306,7 @@ class CompiledStep:
                           recompute_pointwise=c.recompute_pointwise, tp_size=self._dp.tp_size,
                           tp_group_name=self._dp.tp_group_name, tp_sharded=self._specs.split(),
                           partition_activations=c.partition_activations, memory_plan=c.memory_plan,
+                          owned_params=self._owned_params(binding),
                           carry_agreement=c.verify_ranks and dist.is_initialized()
                           and world_size == dist.get_world_size())
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
