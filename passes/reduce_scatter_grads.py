@@ -32,13 +32,16 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     Gradients travel in ``ctx.reduce_dtype`` when it is set (cast just before packing). At stages 2-3 a bucket's
     wait sits where the next bucket is issued (one reduce-scatter and its packed copy in flight); the last wait (and
     every wait at stage 1) sits just before the first reader; every later reader (clipping, the optimizer) reads
-    this rank's accumulated shard. Leaves ``ctx.artifacts["grad_buckets"]``.
+    this rank's accumulated shard. A gradient nothing reads (a parameter no optimizer holds) is not reduced. Leaves
+    ``ctx.artifacts["grad_buckets"]``.
     """
     sg = StepGraph(gm)
-    layouts = ctx.artifacts["layouts"]
+    micro = sg.num_microbatches()
+    # what nothing reads (a parameter no optimizer holds, beside the others' update) needs no reduction
+    unread = {f for f, g in sg.tagged(Role.GRAD, micro - 1).items() if not g.users}
+    layouts = {f: layout for f, layout in ctx.artifacts["layouts"].items() if f not in unread}
     if not any(f in layouts for f in sg.tagged(Role.GRAD)):
         return gm  # no gradient to shard: a forward graph of torch.compile's
-    micro = sg.num_microbatches()
     rounds = range(micro) if ctx.stage >= 2 else [micro - 1]
     accumulated: dict[str, fx.Node] = {}
     for mb in rounds:

@@ -217,3 +217,33 @@ def test_at_stage_0_a_second_step_trains_the_same_model():
     for i, step in enumerate([zerofx.compile(train_step), zerofx.compile(train_step)]):
         loss = step(model, opt, *token_batch(i, 0))
         torch.testing.assert_close(loss, train_step(ref_model, ref_opt, *token_batch(i, 0)).detach())
+
+
+def _update_every_other_call(model, optimizer, x, y, update):
+    model(x, y).backward()
+    if update:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradients_accumulated_across_calls_are_refused_from_stage_1(stage):
+    """A call that runs backward and updates nothing leaves gradients for the next call; from stage 1 on they live
+    inside the step, so the step refuses instead of losing them."""
+    model, opt = gpt_and_adamw()
+    with pytest.raises(zerofx.CaptureError, match="without an optimizer.step\\(\\) using it .* at stage"):
+        zerofx.compile(_update_every_other_call, stage=stage)(model, opt, *token_batch(0, 0), False)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_optimizer_over_some_parameters_trains_as_eager(stage):
+    """The parameters no optimizer holds get gradients no one reads: not a gradient left for a later call."""
+    def make():
+        model = gpt_and_adamw()[0]
+        return model, torch.optim.SGD(model.blocks[-1].parameters(), lr=0.1)
+
+    (model, opt), (ref_model, ref_opt) = make(), make()
+    step = zerofx.compile(train_step, stage=stage)
+    for i in range(2):
+        torch.testing.assert_close(step(model, opt, *token_batch(i, 0)), train_step(ref_model, ref_opt,
+                                                                                    *token_batch(i, 0)).detach())
