@@ -149,3 +149,27 @@ def test_max_traces_must_be_positive():
 def test_one_cycle_lr_with_sgd_matches_ddp_on_two_ranks(ranks2, stage):
     results = ranks2.run(cases.one_cycle_sgd_matches_ddp, stage=stage)
     assert all(r["traces"] == 1 for r in results) and results[0]["momentum"] != 0.9
+
+
+def _scheduler_inside(model, optimizer, scheduler, x, y):
+    loss = train_step(model, optimizer, x, y)
+    scheduler.step()
+    return loss
+
+
+def _warmup_inside(model, optimizer, x, y, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return train_step(model, optimizer, x, y)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hyperparameters_set_inside_the_step_are_refused(stage):
+    """The graph reads hyperparameters at every call: a value the step sets would be traced once and then lost."""
+    model, opt = gpt_and_sgd()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with pytest.raises(zerofx.CaptureError, match="sets hyperparameter 'lr' of param group 0 of optimizer 0 \\(SGD"):
+        zerofx.compile(_scheduler_inside, stage=stage)(model, opt, scheduler, *token_batch(0, 0))
+    model, opt = gpt_and_sgd()
+    with pytest.raises(zerofx.CaptureError, match="sets hyperparameter 'lr'"):
+        zerofx.compile(_warmup_inside, stage=stage)(model, opt, *token_batch(0, 0), 0.01)

@@ -40,6 +40,12 @@ def test_evaluating_through_the_step_under_no_grad_matches_the_referee(ranks2, s
     assert result["traces"] == (4 if stage == 0 else 2)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_float_batch_in_bf16_matches_fsdp2(ranks2, stage):
+    """The case compares every step's loss with FSDP2's; the batch is cast to bf16 as it enters the model."""
+    ranks2.run(cases.float_batch_in_bf16_against_fsdp2, stage=stage)
+
+
 @pytest.mark.parametrize("stage, cast_at_gather", [(0, True), (1, True), (2, True), (3, True), (3, False)])
 def test_fp16_clipping_reads_unscaled_gradients_as_grad_scaler_unscale(ranks2, stage, cast_at_gather):
     """Stage 3 at its default units (one block each), the others with small buckets; stage 3 also with its fp16

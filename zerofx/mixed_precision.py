@@ -35,6 +35,9 @@ class MixedPrecision:
     # False keeps a param_dtype copy of each shard, written once after each update (DeepSpeed's layout and the
     # paper's b_pΨ/N_d): more memory, one cast per step instead of one per gather
     cast_at_gather: bool = True
+    # floating tensors passed to the step's modules (an image batch, regression features) are cast to param_dtype
+    # as they enter, as FSDP2's policy casts a sharded module's forward inputs by default
+    cast_forward_inputs: bool = True
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -145,3 +148,13 @@ def _flag(tensor: torch.Tensor, key: str) -> None:
     mode = get_proxy_mode()
     if mode is not None:
         get_proxy_slot(tensor, mode.tracer).proxy.node.meta[key] = True
+
+
+def cast_floating_inputs(dtype: torch.dtype):
+    """A forward pre-hook (``with_kwargs``) casting a module's floating tensor arguments to ``dtype``."""
+    def cast(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    def hook(module, args, kwargs):
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+    return hook

@@ -150,6 +150,19 @@ def track_backward(recorder: PhaseRecorder, fake_params: dict, mixed_trace=None)
         yield
 
 
+def _refuse_hyperparameter_writes(opt, oi: int, as_traced: list[dict]) -> None:
+    """The graph reads hyperparameters at every call; one the step sets itself (a scheduler's ``step()`` inside it)
+    would be traced once and then lost."""
+    for gi, (group, traced) in enumerate(zip(opt.param_groups, as_traced)):
+        changed = [k for k in group.keys() | traced.keys() if k != "params" and group.get(k) is not traced.get(k)]
+        if changed:
+            raise CaptureError(
+                f"the train step sets hyperparameter '{changed[0]}' of param group {gi} of optimizer {oi} "
+                f"({type(opt).__name__}), as an LR scheduler's step() inside the step does: it would be traced once, "
+                "not applied at every call",
+                hint="step schedulers and set hyperparameters outside the compiled step; it reads them at every call")
+
+
 @contextlib.contextmanager
 def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes: dict, fake_params: dict,
                    step_params: dict):
@@ -184,6 +197,7 @@ def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes:
             if flag in group:
                 group[flag] = value
     opt.state = new_state
+    as_traced = [dict(g) for g in opt.param_groups]  # what the step must leave as it is
 
     def hold(params):
         for group, ps in zip(opt.param_groups, params):
@@ -193,6 +207,7 @@ def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes:
         with hook(opt.register_step_pre_hook(lambda *_: hold(inside))), \
                 hook(opt.register_step_post_hook(lambda *_: hold(outside))):
             yield
+        _refuse_hyperparameter_writes(opt, oi, as_traced)
     finally:
         for group, saved in zip(opt.param_groups, saved_groups):
             group.clear()
