@@ -37,7 +37,9 @@ def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     sharded = {n for n in gm.graph.nodes if n.meta.get(SHARD)}
     # values a pass gave a new ``val``, and those recomputed from them: a node reading none of them keeps its own
     changed = sharded | {n for n in gm.graph.nodes if n.meta.get(INSERTED)}
+    stepped = False  # an optimizer.step() has run: what reads a shard now is user code after it (logging a weight)
     for node in gm.graph.nodes:
+        stepped = stepped or bool(tag(node) and tag(node).in_optimizer_step)
         if node.op != "call_function" or tag(node).phase != Phase.OPTIMIZER or node.meta.get(INSERTED):
             continue
         if not any(a in changed for a in node.all_input_nodes):
@@ -50,12 +52,14 @@ def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             if elementwise or node.target is operator.getitem:
                 sharded.add(node)
             elif not (node.meta.get(GLOBAL_NORM) or node.meta.get(PER_TENSOR_CHECK)):
+                after_update = stepped and not tag(node).in_optimizer_step
                 raise CaptureError(
                     f"{node.target} reads a 1/{ctx.world_size} shard of a parameter, its state or its gradient at "
-                    f"stage {ctx.stage} and is not elementwise: it would compute something else than on the full "
-                    "tensor",
+                    f"stage {ctx.stage}{' after optimizer.step()' if after_update else ''} and is not elementwise: "
+                    "it would compute something else than on the full tensor",
                     source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
-                    hint="use SGD, Adam or AdamW, and clip_grad_norm_ for gradient norms; or stage 0",
+                    hint="read parameters after the step returns (zerofx.full_state_dict), or use stage 0"
+                    if after_update else "use SGD, Adam or AdamW, and clip_grad_norm_ for gradient norms; or stage 0",
                 )
         args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
         with fake_mode:

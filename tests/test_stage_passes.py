@@ -159,10 +159,24 @@ def test_a_per_parameter_norm_in_the_optimizer_is_refused_at_stage_1(monkeypatch
                         optim_support.OptimizerSpec(tensor_hyperparams=(("lr", None),), init_state=lambda g, p: {}))
     model, _ = gpt_and_adamw()
     opt = _NormScaledSGD(model.parameters())
-    with pytest.raises(zerofx.CaptureError, match="not elementwise"):
+    with pytest.raises(zerofx.CaptureError, match="at stage 1 and is not elementwise"):
         zerofx.compile(train_step, stage=1)(model, opt, *token_batch(0, 0))
     model, _ = gpt_and_adamw()  # stage 0 runs it as written
     zerofx.compile(train_step, stage=0)(model, _NormScaledSGD(model.parameters()), *token_batch(0, 0))
+
+
+def _logs_a_weight_sum(model, optimizer, x, y):
+    loss = train_step(model, optimizer, x, y)
+    with torch.no_grad():
+        return loss, sum(p.sum() for p in model.parameters())
+
+
+def test_reading_a_parameter_after_the_update_is_named_so():
+    model, opt = gpt_and_adamw()
+    with pytest.raises(zerofx.CaptureError, match=r"at stage 1 after optimizer.step\(\) and is not elementwise") \
+            as info:
+        zerofx.compile(_logs_a_weight_sum, stage=1)(model, opt, *token_batch(0, 0))
+    assert "zerofx.full_state_dict" in str(info.value)
 
 
 def test_the_papers_table():
