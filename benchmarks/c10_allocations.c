@@ -8,6 +8,7 @@
 #include <string.h>
 
 static int (*real_posix_memalign)(void **, size_t, size_t);
+/* the caches below may race between allocating threads: at worst a call site is looked up twice */
 static void *c10_site;                 /* c10::alloc_cpu's one call site, once seen */
 static void *other_sites[64];          /* call sites known not to be c10's */
 static int n_other_sites;

@@ -1,4 +1,4 @@
-"""Stages 1-2: after the optimizer has updated this rank's shards, every rank gathers the full parameters."""
+"""Stages 1-2: after the optimizer has updated this rank's shards, every rank gathers the full parameters it updated."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ def allgather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ``ctx.bucket_bytes`` (gathered size). A bucket's all-gather is issued right after its last shard is updated, so it
     overlaps the rest of the update; its result is copied into the parameters just before the next bucket's
     all-gather is issued (the last one before the step returns), so at most two gathered buckets are alive at once.
-    After the step every rank holds the same full parameters. Leaves ``ctx.artifacts["param_buckets"]``.
+    After the step every rank holds the same full parameters (one the graph did not update is gathered by no one:
+    every rank holds it already). Leaves ``ctx.artifacts["param_buckets"]``.
     """
     graph = gm.graph
     sg = StepGraph(gm)
     layouts = ctx.artifacts["layouts"]
     params = sg.params()
-    # a parameter this graph leaves as it found it (an evaluation, one without a gradient) holds its values already
-    updated = {f: n for f, n in sg.tagged(Role.UPDATED_PARAM).items() if f in layouts and n is not params[f]}
+    updated = {f: n for f, n in sg.updated_params().items() if f in layouts}
     done_order = sorted(updated, key=lambda f: sg.order[updated[f]])
     buckets = plan_buckets([(f, layouts[f].padded_numel, layouts[f].dtype) for f in done_order], ctx.bucket_bytes)
     output = sg.output

@@ -36,7 +36,6 @@ def shard_optimizer_state(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         raise CaptureError(
             "the train step accumulates into .grad left by an earlier call",
             hint=f"stage {ctx.stage} owns the gradients: call optimizer.zero_grad() inside the step")
-    _refuse_gradients_left_for_a_later_call(sg, ctx.stage)
     n = ctx.world_size
     trained = sg.tagged(Role.GRAD)
     trainable = {fqn: node for fqn, node in sg.params().items() if fqn in trained or fqn in ctx.owned_params}
@@ -104,19 +103,3 @@ def _refuse_reads_after_the_update(fqn: str, users: list[fx.Node]) -> None:
                 source=user_frame_from_stack_trace(user.meta.get("stack_trace")),
             )
 
-
-def _refuse_gradients_left_for_a_later_call(sg: StepGraph, stage: int) -> None:
-    """A step that runs backward but updates nothing leaves its gradients in ``.grad`` for the next call to
-    accumulate into (an update every k-th call); from stage 1 on gradients live inside the step and would be lost
-    between calls. (Gradients of parameters no optimizer holds, beside an update of the others, are never read.)"""
-    params = sg.params()
-    if any(n is not params.get(f) for f, n in sg.tagged(Role.UPDATED_PARAM).items()):
-        return
-    left = [s.fqn for s in tag(sg.output).slots if s.role == Role.GRAD_OUT]
-    if left:
-        raise CaptureError(
-            f"the train step leaves the gradient of '{left[0]}' in .grad without an optimizer.step() using it "
-            f"(gradients accumulated across calls); at stage {stage} gradients live inside the step and are not "
-            "kept between calls",
-            hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
-                 "optimizer.step()), or use stage 0")

@@ -211,6 +211,14 @@ def test_a_parameter_another_step_took_is_named(stage):
         zerofx.prepare(model, opt, stage=stage)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_model_given_to_prepare_is_refused_by_a_compiled_step(stage):
+    model, opt = gpt_and_adamw()
+    zerofx.prepare(model, opt, stage=stage)
+    with pytest.raises(zerofx.CaptureError, match="GPT passed to the step was given to zerofx.prepare"):
+        zerofx.compile(train_step, stage=stage)(model, torch.optim.AdamW(model.parameters()), *token_batch(0, 0))
+
+
 def test_at_stage_0_a_second_step_trains_the_same_model():
     model, opt = gpt_and_adamw()
     ref_model, ref_opt = gpt_and_adamw()
@@ -226,13 +234,32 @@ def _update_every_other_call(model, optimizer, x, y, update):
         optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_gradients_accumulated_across_calls_are_refused_from_stage_1(stage):
-    """A call that runs backward and updates nothing leaves gradients for the next call; from stage 1 on they live
+def _two_optimizers_one_steps(model, head_opt, body_opt, x, y, update_body):
+    head_opt.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    head_opt.step()
+    if update_body:
+        body_opt.step()
+        body_opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("stage, precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (3, "bf16")])
+def test_gradients_accumulated_across_calls_are_refused_where_the_step_owns_them(stage, precision):
+    """A call that leaves gradients an optimizer holds without stepping with them (an update every k-th call; one
+    optimizer of two stepping) leaves them for the next call; from stage 1 on, and under mixed precision, they live
     inside the step, so the step refuses instead of losing them."""
+    mixed = zerofx.MixedPrecision(torch.bfloat16) if precision == "bf16" else None
     model, opt = gpt_and_adamw()
-    with pytest.raises(zerofx.CaptureError, match="without an optimizer.step\\(\\) using it .* at stage"):
-        zerofx.compile(_update_every_other_call, stage=stage)(model, opt, *token_batch(0, 0), False)
+    with pytest.raises(zerofx.CaptureError, match="without an optimizer.step\\(\\) using it"):
+        zerofx.compile(_update_every_other_call, stage=stage, mixed_precision=mixed)(
+            model, opt, *token_batch(0, 0), False)
+    model, _ = gpt_and_adamw()
+    head, body = torch.optim.SGD(model.ln_f.parameters(), lr=0.1), torch.optim.SGD(model.blocks.parameters())
+    with pytest.raises(zerofx.CaptureError, match="gradient of 'blocks.0.*without an optimizer.step"):
+        zerofx.compile(_two_optimizers_one_steps, stage=stage, mixed_precision=mixed)(
+            model, head, body, *token_batch(0, 0), False)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

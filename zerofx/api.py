@@ -126,6 +126,18 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     return CompiledStep(train_step, config=config)
 
 
+def _refuse_prepared(modules) -> None:
+    from zerofx.backend.prepared import is_prepared  # the backend builds on this module
+
+    for module in modules:
+        if is_prepared(module):
+            raise CaptureError(
+                f"the {type(module).__name__} passed to the step was given to zerofx.prepare: the backend path owns "
+                "its parameters",
+                hint="train it with torch.compile(model, backend=zerofx.backend(...)), or compile a step over a model "
+                     "that was not prepared")
+
+
 class CompiledStep:
     def __init__(self, train_step, *, config: Config):
         functools.update_wrapper(self, train_step)
@@ -280,6 +292,7 @@ class CompiledStep:
             first = self._binding is None
             self._binding, self._binding_ids = StepBinding.from_args(args), ids
             refuse_taken(self._binding)
+            _refuse_prepared(self._binding.modules(args))
             if first and self._dp.size > 1:
                 runtime.sync_module_states(self._binding, self._dp.group)
         return self._binding

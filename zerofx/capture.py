@@ -49,6 +49,7 @@ class CapturedStep:
     outputs: list[Slot]
     user_out_spec: pytree.TreeSpec
     user_out_constants: dict[int, Any]  # leaves of the user's output that are not tensors
+    grads_left: frozenset[str] = frozenset()  # parameters whose .grad eager leaves set after the step
 
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
@@ -176,7 +177,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     kept = _tag_outputs(gm.graph, out_slots)
     # every pass ends with recompile(); a lazy module generates the Python code once, when the step first runs
     gm = _LazyGraphModule.from_graphmodule(gm)
-    return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"])
+    return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"])
 
 
 def _module_views(binding: StepBinding, modules: list, tensors: dict) -> list[tuple[Any, dict]]:
@@ -217,6 +218,7 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
         else:
             constants[i] = leaf
     out_meta["spec"], out_meta["constants"] = spec, constants
+    out_meta["grads_left"] = frozenset(f for f, p in {**fake_params, **fake_masters}.items() if p.grad is not None)
     for fqn, p in fake_params.items():
         if p.grad is not None and not any(s.role == Role.MASTER for s in slots):  # mixed: grads stay inside
             emit(p.grad, Slot(Role.GRAD_OUT, fqn))

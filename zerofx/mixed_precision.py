@@ -14,6 +14,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,9 @@ def _flag(tensor: torch.Tensor, key: str) -> None:
 
 
 def cast_floating_inputs(dtype: torch.dtype):
-    """A forward pre-hook (``with_kwargs``) casting a module's floating tensor arguments to ``dtype``."""
-    def cast(value):
-        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-
+    """A forward pre-hook (``with_kwargs``) casting a module's floating tensor arguments, in containers too, to
+    ``dtype``."""
     def hook(module, args, kwargs):
-        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
+                                    (args, kwargs))
     return hook

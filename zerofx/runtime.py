@@ -237,6 +237,8 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
+    if ctx.stage >= 1 or mixed is not None:
+        _refuse_gradients_left_between_calls(captured, binding, args, ctx.stage, mixed)
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
     if dump_dir:
         dump.write(dump_dir, 0, "capture", captured.gm)
@@ -255,6 +257,25 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     outputs = sg.output_slots()
     left_grads = {s.fqn for s in outputs if s.role == Role.GRAD_OUT}
     return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, bool(read), snapshots)
+
+
+def _refuse_gradients_left_between_calls(captured: CapturedStep, binding: StepBinding, args: tuple, stage: int,
+                                        mixed: MixedPrecision | None) -> None:
+    """Eager leaves a gradient an optimizer holds but did not step with in ``.grad``, for a later call to accumulate
+    into (an update every k-th call, or one optimizer of two stepping); from stage 1 on, and under mixed precision,
+    gradients live inside the step and would be lost between calls. (A parameter no optimizer holds keeps a gradient
+    nothing reads.)"""
+    held = {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
+            for p in group["params"]}
+    left = sorted((captured.grads_left & held) - set(StepGraph(captured.gm).updated_params()))
+    if left:
+        where = f"at stage {stage}" if stage >= 1 else "under mixed precision"
+        raise CaptureError(
+            f"the train step leaves the gradient of '{left[0]}' in .grad without an optimizer.step() using it "
+            f"(gradients accumulated across calls); {where} gradients live inside the step and are not kept between "
+            "calls",
+            hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
+                 "optimizer.step())" + ("" if mixed else ", or use stage 0"))
 
 
 def _write_timeline(dump_dir: str, snapshots: dict[str, GraphSnapshot]) -> None:

@@ -156,12 +156,12 @@ class ShardedState:
 
 
 def refuse_taken(binding: StepBinding) -> None:
-    """Refuse, naming it, a parameter another step or ``prepare`` took and emptied: its values live with that one,
-    and tracing its empty original would fail deep inside the model."""
+    """Refuse, naming it, a parameter another compiled step took and emptied: its values live with that step, and
+    tracing its empty original would fail deep inside the model."""
     for fqn, p in binding.params.items():
         if released(p):
             raise CaptureError(
-                f"parameter '{fqn}' was taken by another zerofx step or zerofx.prepare, which owns "
-                "its values from stage 1 on and left the original empty",
+                f"parameter '{fqn}' was taken by another zerofx step, which owns its values from stage 1 on and "
+                "left the original empty",
                 hint="keep calling the step that took it (eval mode, a new batch shape or an unfrozen parameter "
                      "re-trace that step), or load zerofx.full_state_dict(that step) into a new model and optimizer")

@@ -141,6 +141,11 @@ class StepGraph:
     def params(self) -> dict[str, fx.Node]:
         return self.placeholders(Role.PARAM)
 
+    def updated_params(self) -> dict[str, fx.Node]:
+        """fqn -> the last in-place update of each parameter this graph updates (not one it leaves as it found)."""
+        params = self.params()
+        return {f: n for f, n in self.tagged(Role.UPDATED_PARAM).items() if n is not params.get(f)}
+
     def output_slots(self) -> list[Slot]:
         return tag(self.output).slots
 

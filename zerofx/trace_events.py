@@ -154,7 +154,8 @@ def _refuse_hyperparameter_writes(opt, oi: int, as_traced: list[dict]) -> None:
     """The graph reads hyperparameters at every call; one the step sets itself (a scheduler's ``step()`` inside it)
     would be traced once and then lost."""
     for gi, (group, traced) in enumerate(zip(opt.param_groups, as_traced)):
-        changed = [k for k in group.keys() | traced.keys() if k != "params" and group.get(k) is not traced.get(k)]
+        keys = [*traced, *(k for k in group if k not in traced)]  # in order: every rank names the same one
+        changed = [k for k in keys if k != "params" and group.get(k) is not traced.get(k)]
         if changed:
             raise CaptureError(
                 f"the train step sets hyperparameter '{changed[0]}' of param group {gi} of optimizer {oi} "

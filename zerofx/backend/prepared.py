@@ -25,7 +25,7 @@ from zerofx.backend.shards import Shards
 from zerofx.binding import StepBinding
 from zerofx.collectives import CollectiveRecord
 from zerofx.mesh import DTensorSpecs, MeshRanks, mesh_ranks
-from zerofx.mixed_precision import MixedPrecision
+from zerofx.mixed_precision import MixedPrecision, cast_floating_inputs
 from zerofx.sharded_state import refuse_taken
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, model_state_bytes, ring_volume, step_formula, trainable_numel
@@ -266,6 +266,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
         runtime.sync_module_states(prepared._binding, prepared.ranks.group)
     if stage >= 1 or mixed_precision is not None:
         prepared.shard()
+    if mixed_precision is not None and mixed_precision.cast_forward_inputs:  # the compiled forward traces the hook
+        model.register_forward_pre_hook(cast_floating_inputs(mixed_precision.param_dtype), with_kwargs=True)
     _PREPARED[model] = prepared
     return model, optimizer
 
@@ -289,6 +291,10 @@ def _check_mixed_precision(model: nn.Module, mixed: MixedPrecision | None, stage
         raise NotImplementedError(
             f"zerofx.prepare: mixed_precision with frozen floating parameters ({frozen[:4]}) is not supported by the "
             "backend path yet: they would stay fp32 where the rest computes in param_dtype; use zerofx.compile")
+
+
+def is_prepared(model: nn.Module) -> bool:
+    return getattr(model, "_orig_mod", model) in _PREPARED
 
 
 def prepared(model: nn.Module) -> Prepared:
