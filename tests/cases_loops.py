@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
 from cases_stages import _ddp_full_state
-from models import gpt_and_adamw, token_batch, train_step
+from models import gpt_and_adamw, mlp_and_adamw, regression_step, token_batch, train_step
 from nanogpt import param_groups
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -172,34 +172,20 @@ def evaluate_between_steps(rank, world_size, stage, precision):
     return {"traces": step.stats().traces}
 
 
-def _regression_step(model, optimizer, x, y):
-    optimizer.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
-def _mlp_and_adamw():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
 def float_batch_in_bf16_against_fsdp2(rank, world_size, stage, steps=4):
     """A batch of floats (features, as an image batch is): cast to bf16 as it enters the model, as FSDP2's policy
     casts a sharded module's forward inputs."""
-    ref_model, ref_opt = _mlp_and_adamw()
+    ref_model, ref_opt = mlp_and_adamw()
     fully_shard(ref_model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
-    model, opt = _mlp_and_adamw()
-    step = zerofx.compile(_regression_step, stage=stage, mixed_precision=zerofx.MixedPrecision(torch.bfloat16))
+    model, opt = mlp_and_adamw()
+    step = zerofx.compile(regression_step, stage=stage, mixed_precision=zerofx.MixedPrecision(torch.bfloat16))
     losses, ref_losses = [], []
     for i in range(steps):
         g = torch.Generator().manual_seed(100 * i + rank)
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
         losses.append(step(model, opt, x, y).item())
-        ref_losses.append(_regression_step(ref_model, ref_opt, x, y).item())
+        ref_losses.append(regression_step(ref_model, ref_opt, x, y).item())
     torch.testing.assert_close(losses, ref_losses, rtol=1e-2, atol=0)
     return losses
 

@@ -44,6 +44,21 @@ def bn_batch(step: int, rank: int, batch: int = 8):
     return torch.randn(batch, 8, generator=g) * (1 + rank), torch.randint(0, 3, (batch,), generator=g)
 
 
+def mlp_and_adamw():
+    """A small regression model, for a batch of floats."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def regression_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def train_step(model, optimizer, x, y):
     optimizer.zero_grad()
     loss = model(x, y)

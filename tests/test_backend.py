@@ -6,6 +6,7 @@ import torch
 
 import cases_backend as cases
 from conftest import _pool
+from models import mlp_and_adamw, regression_step
 
 
 @pytest.fixture(scope="module")
@@ -217,31 +218,18 @@ def test_prepare_refuses_what_the_backend_does_not_run_yet():
         cases.zerofx.prepared(model)
 
 
-def _regression_step(model, optimizer, x, y):
-    optimizer.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_float_batch_in_bf16_is_cast_as_it_enters_and_trains_as_the_whole_step(stage):
     """``cast_forward_inputs`` (FSDP2's default): the prepared model casts a float batch to bf16 as the whole-step
     path does, and the two give the same losses."""
     import zerofx
 
-    def make():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
     mixed = zerofx.MixedPrecision(torch.bfloat16)
-    model, opt = zerofx.prepare(*make(), stage=stage, mixed_precision=mixed)
+    model, opt = zerofx.prepare(*mlp_and_adamw(), stage=stage, mixed_precision=mixed)
     compiled = torch.compile(model, backend=zerofx.backend(stage=stage))
-    whole_step = zerofx.compile(_regression_step, stage=stage, mixed_precision=mixed)
-    ref_model, ref_opt = make()
+    whole_step = zerofx.compile(regression_step, stage=stage, mixed_precision=mixed)
+    ref_model, ref_opt = mlp_and_adamw()
     for i in range(3):
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
-        torch.testing.assert_close(_regression_step(compiled, opt, x, y), whole_step(ref_model, ref_opt, x, y))
+        torch.testing.assert_close(regression_step(compiled, opt, x, y), whole_step(ref_model, ref_opt, x, y))
