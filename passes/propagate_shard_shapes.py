@@ -13,7 +13,7 @@ from zerofx.mixed_precision import PER_TENSOR_CHECK
 from zerofx.passes.context import PassContext
 from zerofx.passes.global_grad_norm import GLOBAL_NORM
 from zerofx.passes.graph_edit import INSERTED, SHARD, fake_mode_of
-from zerofx.step_graph import Phase, tag
+from zerofx.step_graph import Phase, Role, tag
 
 aten = torch.ops.aten
 
@@ -31,7 +31,8 @@ def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     ``val`` it computes on shards. Raises `CaptureError` naming the op and the source line where an op reads a
     shard and is not elementwise, unless a pass made it global (``global_grad_norm``): a per-parameter norm inside
     the update (LAMB), a sum or mean of a gradient, a reshape. On a shard such an op would compute something else
-    than on the full tensor, so zerofx refuses it rather than train a different model.
+    than on the full tensor, so zerofx refuses it rather than train a different model; so does a value the step
+    returns computed elementwise from a shard.
     """
     fake_mode = fake_mode_of(gm.graph)
     sharded = {n for n in gm.graph.nodes if n.meta.get(SHARD)}
@@ -64,5 +65,19 @@ def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
         with fake_mode:
             node.meta["val"] = node.target(*args, **kwargs)
+    _refuse_returned_shards(gm.graph, sharded, ctx)
     gm.recompile()
     return gm
+
+
+def _refuse_returned_shards(graph: fx.Graph, sharded: set[fx.Node], ctx: PassContext) -> None:
+    """What the step returns to the user computed elementwise from a shard (``w * 1.0`` after the update) would be
+    this rank's flat piece of it, not the tensor eager returns."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for value, slot in zip(output.args[0], tag(output).slots):
+        if slot.role == Role.USER_OUTPUT and value in sharded:
+            raise CaptureError(
+                f"the train step returns {value.target}, computed from a 1/{ctx.world_size} shard of a parameter, "
+                f"its state or its gradient at stage {ctx.stage}: it would return this rank's flat piece",
+                source=user_frame_from_stack_trace(value.meta.get("stack_trace")),
+                hint="read parameters after the step returns (zerofx.full_state_dict), or use stage 0")

@@ -256,3 +256,19 @@ def test_a_collective_is_not_issued_after_a_write_to_what_it_sends():
     ctx = PassContext(0, 2, "test", 2**20)
     order = [n.name for n in schedule_collectives(gm, ctx).graph.nodes]
     assert order.index(issued.name) < order.index(written.name)
+
+
+def _returns_a_weight(model, optimizer, x, y):
+    return train_step(model, optimizer, x, y), model.wte.weight * 1.0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_returning_a_value_computed_from_a_shard_is_refused(stage):
+    """Elementwise on a shard is the update's business; returned to the user it would be this rank's flat piece."""
+    model, opt = gpt_and_adamw()
+    with pytest.raises(zerofx.CaptureError, match="returns aten.mul.Tensor, computed from a 1/1 shard"):
+        zerofx.compile(_returns_a_weight, stage=stage)(model, opt, *token_batch(0, 0))
+    model, opt = gpt_and_adamw()  # stage 0 returns what eager returns
+    ref_model, ref_opt = gpt_and_adamw()
+    torch.testing.assert_close(zerofx.compile(_returns_a_weight)(model, opt, *token_batch(0, 0))[1],
+                               _returns_a_weight(ref_model, ref_opt, *token_batch(0, 0))[1].detach())
