@@ -274,3 +274,9 @@ def test_an_optimizer_over_some_parameters_trains_as_eager(stage):
     for i in range(2):
         torch.testing.assert_close(step(model, opt, *token_batch(i, 0)), train_step(ref_model, ref_opt,
                                                                                     *token_batch(i, 0)).detach())
+
+
+def test_an_optimizer_inside_a_tuple_is_named():
+    model, opt = gpt_and_adamw()
+    with pytest.raises(zerofx.CaptureError, match="argument 1 of the train step is a tuple holding AdamW"):
+        zerofx.compile(lambda m, opts, x, y: train_step(m, opts[0], x, y))(model, (opt,), *token_batch(0, 0))

@@ -33,6 +33,14 @@ class StepBinding:
     def from_args(cls, args: tuple) -> "StepBinding":
         module_positions = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
         optimizer_positions = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
+        for i, a in enumerate(args):
+            nested = [leaf for leaf in pytree.tree_leaves(a) if leaf is not a
+                      and isinstance(leaf, (nn.Module, torch.optim.Optimizer))]
+            if nested:
+                raise CaptureError(
+                    f"argument {i} of the train step is a {type(a).__name__} holding {type(nested[0]).__name__}: "
+                    "zerofx finds models and optimizers only among the arguments themselves",
+                    hint="pass each model and optimizer as an argument of its own: step(model, opt_a, opt_b, *batch)")
         if not module_positions:
             raise CaptureError("no nn.Module among the train step's arguments",
                                hint="call it as step(model, optimizer, *batch)")
