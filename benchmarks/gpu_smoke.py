@@ -6,19 +6,31 @@ stage 0 (planned by default) and stage 3 with ``memory_plan`` (intermediates in 
 stage 0 with ``memory_plan=False`` and stage 3 at its default; each line prints
 ``max_memory_reserved`` beside ``max_memory_allocated`` and the allocations a step asks the caching allocator for,
 planned and unplanned; the same eager loops around
-``torch.compile(model, backend=zerofx.backend(...))`` at stages 0 and 3 match eager.
+``torch.compile(model, backend=zerofx.backend(...))`` at stages 0 and 3 match eager. The checks run with
+deterministic algorithms, and planned steps must be bitwise equal to the same steps unplanned.
 
-    python benchmarks/gpu_smoke.py
+Then ``memory_plan`` against the same step without it, at GPT-2 small's size (124M parameters, batch 8 × 1024), where
+the step's activations, not the model, fill the device: at stages 0 and 3, in interleaved rounds, each configuration
+freshly built, one line each with the caching allocator's reserved and allocated high-water marks, the allocations a
+step asks it for and the median step time.
+
+    python benchmarks/gpu_smoke.py [--rounds 2] [--no-memory]
 
 World size 1 (NCCL refuses two ranks on one device); the multi-rank paths are the ones the gloo tests cover.
-Prints one line per check and exits non-zero on the first mismatch.
+Prints one line per check, runs every check whatever an earlier one did, and exits non-zero if any failed.
 """
 
+import argparse
+import gc
+import importlib
 import os
+import statistics
 import sys
 import time
+import traceback
 
-import torch
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import zerofx  # noqa: E402
@@ -86,8 +98,7 @@ def run(name, cfg, device, make_step, fn):
     print(f"{name:26s} final loss {losses[-1]:.5f}  {ms:.2f} ms/step  {allocations:.0f} allocations/step  max allocated "
           f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB, reserved "
           f"{torch.cuda.max_memory_reserved() / 2**20:.1f} MiB")
-    torch.cuda.empty_cache()  # reserved memory is measured per check
-    torch.cuda.reset_peak_memory_stats()
+    _release_device_memory()  # reserved memory is measured per check
     if isinstance(step, zerofx.CompiledStep):
         full = zerofx.full_state_dict(step)["model"]
     elif getattr(step, "prepared", None):
@@ -97,9 +108,8 @@ def run(name, cfg, device, make_step, fn):
     return losses, full
 
 
-def main() -> None:
-    assert torch.cuda.is_available(), "no CUDA device"
-    device = torch.device("cuda")
+def checks(device) -> int:
+    """Run every check; the number that failed."""
     cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
     eager = {fn.__name__: run(f"eager {fn.__name__}", cfg, device, lambda f: f, fn)
              for fn in (train_step, zero_grad_last)}
@@ -117,12 +127,120 @@ def main() -> None:
              for name, fn, kwargs, rtol in checks]
     steps += [(f"backend stage {stage}", fn, through_backend(stage), 1e-4)
               for stage, fn in ((0, train_step), (3, zero_grad_last))]
+    failed, results = 0, {}
+    steps_by_name = {name: {"fn": fn, "make_step": make_step} for name, fn, make_step, _ in steps}
     for name, fn, make_step, rtol in steps:
-        losses, state = run(name, cfg, device, make_step, fn)
-        ref_losses, ref_state = eager[fn.__name__]
-        torch.testing.assert_close(losses, ref_losses, rtol=rtol, atol=1e-5)
-        if rtol < 1e-3:
-            torch.testing.assert_close(state, ref_state, rtol=rtol, atol=1e-5)
+        try:
+            losses, state = results[name] = run(name, cfg, device, make_step, fn)
+            ref_losses, ref_state = eager[fn.__name__]
+            torch.testing.assert_close(losses, ref_losses, rtol=rtol, atol=1e-5)
+            if rtol < 1e-3:
+                torch.testing.assert_close(state, ref_state, rtol=rtol, atol=1e-5)
+        except Exception:  # report it and go on: one device run should show every failure
+            failed += 1
+            print(f"{name}: FAILED\n{traceback.format_exc()}", flush=True)
+            _release_device_memory()
+    for planned, unplanned in (("zerofx stage 0", "zerofx stage 0 unplanned"),
+                               ("zerofx stage 3 memory_plan", "zerofx stage 3")):
+        if not _bitwise_equal(planned, unplanned, results):
+            failed += 1
+            _attribute(planned, unplanned, results, cfg, device, steps_by_name[planned])
+    return failed
+
+
+def _bitwise_equal(name: str, reference: str, results: dict) -> bool:
+    """Whether two checks' losses and final states are bitwise equal (printed either way, with the first step whose
+    loss differs: step 0 means the forward already differs)."""
+    if name not in results or reference not in results:
+        print(f"{name} against {reference}: not compared (one did not run)")
+        return False
+    (losses, state), (ref_losses, ref_state) = results[name], results[reference]
+    differ = [key for key in ref_state if not torch.equal(state[key], ref_state[key])]
+    first = next((i for i, (a, b) in enumerate(zip(losses, ref_losses)) if a != b), None)
+    equal = first is None and not differ
+    print(f"{name} against {reference}: {'bitwise equal' if equal else 'DIFFERENT'}"
+          + (f" (first loss that differs: step {first}; tensors that differ: {len(differ)} of {len(ref_state)}, max "
+             f"difference {max((state[k] - ref_state[k]).abs().max().item() for k in differ):.3g})" if differ else ""),
+          flush=True)
+    return equal
+
+
+def _attribute(planned: str, unplanned: str, results: dict, cfg, device, check: dict) -> None:
+    """Which of the two passes a planned step adds makes the difference: the planned step again with the scalar
+    operands left as numbers (``plan_scalar_operands`` taken out of the pipeline for this run only)."""
+    pipeline = importlib.import_module("zerofx.passes.pipeline")
+    name = f"{planned} without plan_scalar_operands"
+    saved = dict(pipeline._STAGES)
+    pipeline._STAGES.update({stage: tuple(p for p in passes if p is not pipeline.plan_scalar_operands)
+                             for stage, passes in saved.items()})
+    try:
+        results[name] = run(name, cfg, device, check["make_step"], check["fn"])
+    finally:
+        pipeline._STAGES.update(saved)
+    _bitwise_equal(name, unplanned, results)
+
+
+def _release_device_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def measure_memory(stage: int, planned: bool, device, steps: int) -> dict:
+    """One freshly built configuration's figures over ``steps`` steps (the first traces)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+    step = zerofx.compile(train_step, stage=stage, memory_plan=planned)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x, y = (torch.randint(0, cfg.vocab_size, (8, cfg.block_size), generator=g).to(device) for _ in range(2))
+    times = []
+    for i in range(steps):
+        if i == 2:
+            allocations = _allocations()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(model, opt, x, y)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    figures = {"reserved": torch.cuda.max_memory_reserved(), "allocated": torch.cuda.max_memory_allocated(),
+               "allocations": (_allocations() - allocations) / (steps - 2), "ms": statistics.median(times[2:]) * 1e3}
+    del step, model, opt, x, y
+    _release_device_memory()
+    return figures
+
+
+def compare_memory(device, rounds: int, steps: int = 8) -> None:
+    """Planned against unplanned at stages 0 and 3, interleaved; one line per configuration (medians of rounds)."""
+    configs = [(stage, planned) for stage in (0, 3) for planned in (False, True)]
+    results = {config: [] for config in configs}
+    for _ in range(rounds):
+        for config in configs:
+            results[config].append(measure_memory(*config, device, steps))
+    print(f"\nmemory_plan at GPT-2 small's size (batch 8 x 1024), medians of {rounds} rounds:")
+    for (stage, planned), runs in results.items():
+        median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        print(f"stage {stage} memory_plan={planned!s:5}  max reserved {median['reserved'] / 2**20:9.1f} MiB  "
+              f"max allocated {median['allocated'] / 2**20:9.1f} MiB  {median['allocations']:5.0f} allocations/step  "
+              f"{median['ms']:7.2f} ms/step", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the memory comparison")
+    parser.add_argument("--no-memory", action="store_true", help="only the checks against eager")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "no CUDA device"
+    device = torch.device("cuda")
+    # eager and compiled steps compared on the same kernels: no atomics, one cuBLAS workspace configuration
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    failed = checks(device)
+    torch.use_deterministic_algorithms(False)  # the memory comparison runs as users run
+    if not args.no_memory:
+        compare_memory(device, args.rounds)
+    if failed:
+        sys.exit(f"gpu smoke: {failed} check(s) failed")
     print("gpu smoke: OK")
 
 

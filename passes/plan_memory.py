@@ -26,13 +26,12 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 
 from zerofx.memory.lifetimes import Lifetime, lifetimes, live_bytes, step_device
-from zerofx.memory.pools import place, slot_view
+from zerofx.memory.pools import place, slot_alignment, slot_view
 from zerofx.passes.context import PassContext
 from zerofx.passes.graph_edit import add_call, fake_mode_of
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, StepGraph, tag
 
 aten = torch.ops.aten
-ALIGNMENT = 64  # bytes: every slot starts on a cache line (and on any dtype's alignment)
 
 
 def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -59,10 +58,11 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         else:
             others += spans
             left[reason] += sum(s.nbytes for s in spans)
-    chosen = _fit_under_peak(chosen, others, len(nodes), left)
+    alignment = slot_alignment(device)
+    chosen = _fit_under_peak(chosen, others, len(nodes), left, alignment)
     if not chosen:
         return gm
-    placed = place(chosen, ALIGNMENT)  # heuristics only: the plan, and so the graph, is the same on every rank
+    placed = place(chosen, alignment)  # heuristics only: the plan, and so the graph, is the same on every rank
     offsets: dict[str, list[int]] = {}
     for span, offset in zip(chosen, placed.offsets):
         offsets.setdefault(span.node, []).append(offset)
@@ -118,8 +118,8 @@ def _why_not(node: fx.Node, spans: list[Lifetime], end_of_step: int, grads_stay:
     return None
 
 
-def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length: int,
-                    left: Counter) -> list[Lifetime]:
+def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length: int, left: Counter,
+                    alignment: int) -> list[Lifetime]:
     """The arena is held all step, the buffers left to the allocator come and go: planned, the step holds the
     arena's size plus the most those others hold at once, which exceeds the unplanned peak whenever the planned
     buffers are busiest at another time, or the arena has gaps. Leave to the allocator, largest first, planned
@@ -132,7 +132,7 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
         at_rest_peak = int(rest.argmax())
         room = planned[at_rest_peak]
         at_planned_peak = int(planned.argmax()) if planned.max() > room else None
-        if at_planned_peak is None and _arena_bytes(chosen) <= room:
+        if at_planned_peak is None and place([s for spans in chosen for s in spans], alignment).arena_bytes <= room:
             break
         index = next((i for i, spans in enumerate(chosen)
                       if (at_planned_peak is None or any(s.start <= at_planned_peak < s.end for s in spans))
@@ -143,10 +143,6 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
         others += moved
         left["held where the planned buffers peak"] += sum(s.nbytes for s in moved)
     return [s for spans in chosen for s in spans]
-
-
-def _arena_bytes(chosen: list[list[Lifetime]]) -> int:
-    return place([s for spans in chosen for s in spans], ALIGNMENT).arena_bytes
 
 
 def _outputs(node: fx.Node) -> list:

@@ -400,6 +400,20 @@ def test_a_region_that_recomputing_would_change_is_left_as_it_is_with_a_warning(
     assert sum(reason in r.getMessage() for r in caplog.records) == 2, [r.getMessage() for r in caplog.records]
 
 
+def test_plan_memory_starts_every_slot_where_the_devices_allocator_starts_a_block():
+    """On CPU slots start on c10's 64 bytes (tighter than an accelerator's, so some do not start on 512); on an
+    accelerator, on the caching allocator's 512, as the unplanned step's fresh blocks do."""
+    from zerofx.memory.pools import slot_alignment
+    from zerofx.passes.plan_memory import plan_memory
+
+    gm = _captured()
+    plan_memory(gm, PassContext(0, 1, None, 0, memory_plan=True))
+    arena = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "arena")
+    starts = [slot.storage_offset() * slot.element_size() for slot in arena.meta["val"]]
+    assert all(start % 64 == 0 for start in starts) and any(start % 512 for start in starts)
+    assert slot_alignment(torch.device("cpu")) == 64 and slot_alignment(torch.device("cuda", 0)) == 512
+
+
 def test_plan_memory_leaves_out_variants_torch_made_up_to_the_allocator():
     """``native_layer_norm.out`` is generated from the functional op: it allocates the result, then copies it into
     ``out``. Planned, it would cost a copy and save no allocation: it is left, with that reason, and ``mm`` (a real

@@ -95,7 +95,7 @@ class RegionRecorder:
 
     def _enter(self) -> None:
         if self.depth == 0:
-            self.start = next(reversed(get_proxy_mode().tracer.graph.nodes))
+            self.start = next(iter(reversed(get_proxy_mode().tracer.graph.nodes)))
         self.depth += 1
 
     def _leave(self, path: str) -> None:

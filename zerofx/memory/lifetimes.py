@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerofx import collectives
 from zerofx.memory.planner import Block
-from zerofx.memory.pools import Placement, place
+from zerofx.memory.pools import Placement, place, slot_alignment
 from zerofx.memory.tracking import category_of
 from zerofx.step_graph import Role, aliases_first_arg, tag
 
@@ -223,8 +223,8 @@ def step_device(spans: list[Lifetime]) -> torch.device:
     return max(nbytes, key=nbytes.__getitem__)
 
 
-def plan_step(graph: fx.Graph, alignment: int = 64) -> StepMemoryPlan:
+def plan_step(graph: fx.Graph) -> StepMemoryPlan:
     spans = lifetimes(graph)
     device = step_device(spans)
     planned = [s for s in spans if not s.is_input and s.device == device]  # host copies stay apart
-    return StepMemoryPlan(spans, place(planned, alignment))
+    return StepMemoryPlan(spans, place(planned, slot_alignment(device)))

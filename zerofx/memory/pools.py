@@ -26,6 +26,14 @@ class Placement:
     pools: dict[str, tuple[int, int]]  # with BY_CLASS: class -> (offset, bytes) of its pool; else empty
 
 
+def slot_alignment(device: torch.device) -> int:
+    """Where a slot may start: where the device's allocator starts every block, so an op sees its output aligned as
+    in the unplanned step. On CPU, c10's 64 bytes (a cache line; any dtype's alignment). On an accelerator, the
+    caching allocator's 512-byte blocks: its libraries choose kernels by their operands' alignment (cuBLASLt's
+    heuristics by up to 256 bytes)."""
+    return 64 if device.type == "cpu" else 512
+
+
 def place(spans: list, alignment: int = 64, layout: str | None = None) -> Placement:
     """Offsets for ``spans`` (`zerofx.memory.lifetimes.Lifetime`), jointly or pooled by ``category``: the smaller
     arena (the joint one on a tie), or the ``layout`` named. Deterministic: the heuristics only, no time-limited
