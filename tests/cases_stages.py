@@ -82,11 +82,12 @@ def _graph_high_water(step, category):
 
 
 def accounting(rank, world_size, stage, bucket_bytes=16 * 1024, cfg=None, reshard_after_forward=True,
-               prefetch=1, mixed=False, reduce_fp32=False, cast_at_gather=True):
-    """One measured step: stats, the layouts, and what CommDebugMode saw dispatched around it."""
+               prefetch=1, mixed=False, reduce_fp32=False, cast_at_gather=True, optimized=""):
+    """One measured step: stats, the layouts, and what CommDebugMode saw dispatched around it. The optimizer holds
+    the parameters under the module ``optimized`` (all of them by default)."""
     cfg = cfg or TINY_GPT
     model, opt = gpt_and_adamw(cfg=cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the paper's fp32 Adam: K = 8
+    opt = torch.optim.Adam(model.get_submodule(optimized).parameters(), lr=1e-3)  # the paper's fp32 Adam: K = 8
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=bucket_bytes, track_memory=True,
                           reshard_after_forward=reshard_after_forward, prefetch=prefetch,
                           mixed_precision=zerofx.MixedPrecision(torch.bfloat16, torch.float32 if reduce_fp32 else None,

@@ -150,6 +150,19 @@ def test_stage3_without_resharding_moves_two_psi(ranks4):
     assert _dispatched_data_volume(r) == pytest.approx(r["formula_comm_padded"])
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_optimizer_over_some_parameters_moves_the_formula_less_what_it_leaves(ranks2, stage):
+    """Ψ counts every trainable parameter; the gradients no optimizer reads are not reduced, and at stages 1-2 the
+    parameters it leaves are not gathered after the update: itemised, they account for what did not move."""
+    r = ranks2.run(cases.accounting, stage=stage, optimized="blocks.1")[0]
+    differences = r["comm_vs_formula"]
+    assert [w.split(":")[0] for w, _ in differences if not w.startswith("not gathered in")] == (
+        ["gradients not reduced, which nothing reads"]
+        + (["not gathered after the update, which leaves them as they were"] if stage < 3 else []))
+    assert all(v < 0 for _, v in differences)
+    assert _dispatched_data_volume(r) == pytest.approx(r["formula_comm"] + sum(v for _, v in differences))
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_clip_grad_norm_matches_ddp(ranks2, stage):
     result = ranks2.run(cases.parity_with_ddp, stage=stage, step_fn="clipped", noise_atol=2e-5)[0]

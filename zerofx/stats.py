@@ -175,8 +175,10 @@ def _tp_volume(graph, ctx) -> float:
 
 
 def _comm_vs_formula(ctx, owned, formula: formulas.Formula, micro: int) -> list[tuple[str, float]]:
-    """The formula counts Ψ elements per gather or reduction; the step moves padded parameters, and at stage 3 only
-    what each phase reads, some parameters twice (a tied embedding read again at the head)."""
+    """The formula counts Ψ elements per gather or reduction of every trainable parameter; the step moves padded
+    parameters, reduces only the gradients something reads (an optimizer over some of the parameters), gathers after
+    the update only what it updated, and at stage 3 gathers only what each phase reads, some parameters twice (a tied
+    embedding read again at the head)."""
     if ctx.world_size == 1 or owned is None or owned.stage == 0:
         return []
     layouts = owned.layouts
@@ -184,6 +186,16 @@ def _comm_vs_formula(ctx, owned, formula: formulas.Formula, micro: int) -> list[
     multiple = formula.evaluate(formula.comm, 1, ctx.world_size) / share  # 2, M+1, 3M or 2M
     padding = sum(l.padded_numel - l.numel for l in layouts.values())
     items = [("padding to a multiple of N_d", padding * multiple * share)] if padding else []
+    reduced = {f for b in ctx.artifacts.get("grad_buckets", []) for f in b.names}
+    if reduced and (unreduced := [f for f in layouts if f not in reduced]):
+        reductions = 1 if owned.stage == 1 else micro  # stage 1 reduces the accumulated gradient once
+        items.append((f"gradients not reduced, which nothing reads: {_names(unreduced)}",
+                      -sum(layouts[f].padded_numel for f in unreduced) * reductions * share))
+    if owned.stage < 3 and "param_buckets" in ctx.artifacts:
+        gathered = {f for b in ctx.artifacts["param_buckets"] for f in b.names}
+        if not_updated := [f for f in layouts if f not in gathered]:
+            items.append((f"not gathered after the update, which leaves them as they were: {_names(not_updated)}",
+                          -sum(layouts[f].padded_numel for f in not_updated) * share))
     gathers = ctx.artifacts.get("gathers", [])
     for phase in sorted({p for p, _ in gathers}, key=lambda p: p.value, reverse=True):
         buckets = [b for p, b in gathers if p == phase]
