@@ -2,7 +2,8 @@
 
 From the final graph's lifetimes (`zerofx.memory.lifetimes`), each buffer an ATen op allocates fresh (one contiguous
 tensor, not the step's input, not returned by the step except as a ``.grad``) is planned, when the op has an ``out=``
-variant: the op then writes into its slot of the arena, a view at the planned offset. The gradients a step leaves in
+variant: the op then writes into its slot of the arena, a view at the planned offset. A copy (``clone``, a dtype cast
+on one device) is written into its slot by ``copy_``, which is what both do after allocating. The gradients a step leaves in
 ``.grad`` (stage 0's reduced buckets) stay in the arena after it, so a step does not ask the allocator for them
 again. Each is returned as an alias of its own, never as a slot: as the next step starts, the runtime counts what
 still references the arena and leaves it to any holder but itself (`zerofx.runtime.SharedArena`). A step that reads
@@ -32,6 +33,9 @@ from zerofx.passes.graph_edit import add_call, fake_mode_of
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, StepGraph, tag
 
 aten = torch.ops.aten
+# ops that allocate their result and copy into it, which their generated out= variants do once more: planned, they
+# copy into their slot in place
+_COPIES = {aten.clone.default, aten._to_copy.default}
 
 
 def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -106,10 +110,12 @@ def _why_not(node: fx.Node, spans: list[Lifetime], end_of_step: int, grads_stay:
     vals = _outputs(node)
     if len(vals) != len(spans):
         return "outputs that are not tensors"
-    variant = _out_variant(node.target)
-    if variant is None or len(variant[1]) != len(vals):
+    if node.target in _COPIES:
+        if not _copies_on_one_device(node):
+            return "a copy to another device or layout"
+    elif (variant := _out_variant(node.target)) is None or len(variant[1]) != len(vals):
         return f"no out= variant ({node.target.overloadpacket.__name__})"
-    if torch.Tag.generated in variant[0].tags:
+    elif torch.Tag.generated in variant[0].tags:
         # torch made this out= variant from the functional op: it allocates the result as the op would, then copies
         return f"an out= variant that allocates and copies ({node.target.overloadpacket.__name__})"
     if not all(v.is_contiguous() and v.storage_offset() == 0
@@ -150,6 +156,15 @@ def _outputs(node: fx.Node) -> list:
     return [val] if isinstance(val, torch.Tensor) else list(val)
 
 
+def _copies_on_one_device(node: fx.Node) -> bool:
+    """Whether a copy (``clone``, ``_to_copy``) stays on its input's device, strided and unpinned: what ``copy_``
+    into a slot does the same."""
+    source, result = node.args[0].meta["val"], node.meta["val"]
+    kwargs = node.kwargs
+    return (source.device == result.device and kwargs.get("layout") in (None, torch.strided)
+            and not kwargs.get("pin_memory"))
+
+
 def _out_variant(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, list[str]] | None:
     """The overload of ``op``'s packet taking the same arguments plus the outputs to write (``out=``,
     ``out0=``..., ``grad_input=``), and those arguments' names."""
@@ -182,13 +197,15 @@ def _arena_placeholder(graph: fx.Graph, nbytes: int, device: torch.device,
 
 
 def _write_into_slots(graph: fx.Graph, node: fx.Node, arena: fx.Node, slots: range) -> None:
-    variant, out_names = _out_variant(node.target)
+    copy = node.target in _COPIES
+    variant, out_names = (aten.copy_.default, ["out"]) if copy else _out_variant(node.target)
     outs = {}
     with graph.inserting_before(node):
         for name, slot in zip(out_names, slots):
             outs[name] = add_call(graph, operator.getitem, (arena, slot), like=node,
                                   val=arena.meta["val"][slot])
-        written = graph.call_function(variant, node.args, {**node.kwargs, **outs})
+        written = (graph.call_function(variant, (outs["out"], node.args[0])) if copy
+                   else graph.call_function(variant, node.args, {**node.kwargs, **outs}))
     written.meta.update(node.meta)
     node.replace_all_uses_with(written)
     graph.erase_node(node)

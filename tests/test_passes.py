@@ -414,6 +414,55 @@ def test_plan_memory_starts_every_slot_where_the_devices_allocator_starts_a_bloc
     assert slot_alignment(torch.device("cpu")) == 64 and slot_alignment(torch.device("cuda", 0)) == 512
 
 
+class _Copying(torch.nn.Module):
+    """A model whose forward (and so backward) casts and clones activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        h = self.a(x).double().float().clone()
+        return torch.nn.functional.mse_loss(self.b(h).squeeze(-1), y)
+
+
+def test_plan_memory_writes_copies_into_their_slots_in_place(monkeypatch):
+    """Casts and clones allocate their result and copy into it (their generated ``out=`` variants would copy once
+    more): planned, ``copy_`` writes each into its slot, and the step computes bitwise the same. Every candidate is
+    planned here (``_fit_under_peak``, which leaves some to the allocator for the peak's sake, is bypassed)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from zerofx.memory.pools import slot_view
+    from zerofx.passes import plan_memory as module
+
+    monkeypatch.setattr(module, "_fit_under_peak", lambda chosen, *_: [s for spans in chosen for s in spans])
+    plan_memory = module.plan_memory
+
+    def make():
+        torch.manual_seed(0)
+        model = _Copying()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    gm = _captured(make, lambda *_: (torch.randn(4, 8), torch.randn(4)))
+    aten = torch.ops.aten
+    copies = len(_calls(gm, aten._to_copy.default)) + len(_calls(gm, aten.clone.default))
+    assert copies >= 5  # two casts and a clone forward, the casts' gradients back
+    inputs = [_stand_in(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
+    with unset_fake_temporarily():
+        want_state, got_state = _copies(inputs), _copies(inputs)
+        want = gm(*want_state)
+        ctx = PassContext(0, 1, None, 0, memory_plan=True)
+        planned = plan_memory(gm, ctx)
+        arena = next(n for n in planned.graph.nodes if n.op == "placeholder" and n.name == "arena")
+        raw = torch.empty(ctx.artifacts["arena_bytes"], dtype=torch.uint8)
+        slots = [slot_view(raw, v.storage_offset() * v.element_size(), v.dtype, v.shape) for v in arena.meta["val"]]
+        got = planned(*got_state, slots)
+    written = [n for n in _calls(planned, aten.copy_.default) if n.args[0].args[0] is arena]
+    assert len(written) == copies and not _calls(planned, aten._to_copy.default) + _calls(planned, aten.clone.default)
+    for a, b in zip(want_state + list(want), got_state + list(got)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 def test_plan_memory_leaves_out_variants_torch_made_up_to_the_allocator():
     """``native_layer_norm.out`` is generated from the functional op: it allocates the result, then copies it into
     ``out``. Planned, it would cost a copy and save no allocation: it is left, with that reason, and ``mm`` (a real
