@@ -21,7 +21,6 @@ from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext
 from zerofx.sharded_state import ShardedState, refuse_taken
-from zerofx.sharding import ParamLayout
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, measure
 from zerofx.units import UNIT_CAP_BYTES, UnitRule, check_rule, unit_of_params
@@ -256,9 +255,8 @@ class CompiledStep:
         """Own the trainable parameters and their optimizer state: all of them on the first call, a parameter
         unfrozen since when the graph that trains it is built."""
         mixed, stage = self.config.mixed_precision, self.config.stage
-        layouts = compiled.ctx.artifacts.get("layouts") or {
-            fqn: ParamLayout(fqn, tuple(p.shape), mixed.param_dtype if mixed else p.dtype, world_size)
-            for fqn, p in binding.params.items() if p.requires_grad}
+        layouts = compiled.ctx.artifacts.get("layouts") or binding.trainable_layouts(
+            mixed.param_dtype if mixed else None, world_size)
         if self._owned is not None:
             self._owned.absorb(binding, args, layouts)
             return
@@ -271,7 +269,7 @@ class CompiledStep:
         one, whether or not the graph being built computes a gradient for it (an evaluation first)."""
         if self._owned is not None:
             return frozenset(self._owned.layouts)
-        return frozenset(fqn for fqn, p in binding.params.items() if p.requires_grad)
+        return frozenset(binding.trainable())
 
     def _refuse_refreezing(self, binding: StepBinding) -> None:
         if self._owned is None or self.config.stage == 0:

@@ -14,6 +14,7 @@ from zerofx import optim_support
 from zerofx.errors import CaptureError
 from zerofx.mesh import local
 from zerofx.mixed_precision import MixedPrecision
+from zerofx.sharding import ParamLayout
 from zerofx.step_graph import Role, Slot
 
 
@@ -28,6 +29,15 @@ class StepBinding:
     buffers: dict[str, torch.Tensor]
     buffer_aliases: dict[str, str]
     _submodules: list[list[nn.Module]] | None = None
+
+    def trainable(self) -> dict[str, nn.Parameter]:
+        """The parameters the step trains: those that require grad, by fqn."""
+        return {fqn: p for fqn, p in self.params.items() if p.requires_grad}
+
+    def trainable_layouts(self, param_dtype: torch.dtype | None, world_size: int) -> dict[str, ParamLayout]:
+        """How each trainable parameter is sharded over ``world_size`` ranks (in ``param_dtype``, else its own)."""
+        return {fqn: ParamLayout(fqn, tuple(p.shape), param_dtype or p.dtype, world_size)
+                for fqn, p in self.trainable().items()}
 
     @classmethod
     def from_args(cls, args: tuple) -> "StepBinding":
@@ -121,11 +131,11 @@ def incoming_grads(binding: StepBinding, mixed: MixedPrecision | None, *, probe:
             hint="call optimizer.zero_grad() before computing gradients outside the step, or run backward inside it")
     if mixed is not None:
         return []
-    return [fqn for fqn, p in binding.params.items() if p.requires_grad] if probe else present
+    return list(binding.trainable()) if probe else present
 
 
 def present_grads(binding: StepBinding) -> list[str]:
-    return [fqn for fqn, p in binding.params.items() if p.requires_grad and p.grad is not None]
+    return [fqn for fqn, p in binding.trainable().items() if p.grad is not None]
 
 
 def input_slots(binding: StepBinding, args: tuple, mixed: MixedPrecision | None = None,
@@ -134,7 +144,7 @@ def input_slots(binding: StepBinding, args: tuple, mixed: MixedPrecision | None 
     state, hyperparameters, batch."""
     slots = [Slot(Role.PARAM, fqn) for fqn in binding.params]
     if mixed is not None:
-        slots += [Slot(Role.MASTER, fqn) for fqn, p in binding.params.items() if p.requires_grad]
+        slots += [Slot(Role.MASTER, fqn) for fqn in binding.trainable()]
     slots += [Slot(Role.BUFFER, fqn) for fqn in binding.buffers]
     if mixed is not None and mixed.scaling is not None:
         slots += [Slot(Role.LOSS_SCALE), Slot(Role.GROWTH_TRACKER)]

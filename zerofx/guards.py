@@ -40,7 +40,7 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
     key = {
         "params": owned_parts["params"] if "params" in owned_parts
         else tuple((fqn, _tensor_meta(p)) for fqn, p in binding.params.items()),
-        "requires_grad": tuple(fqn for fqn, p in binding.params.items() if p.requires_grad),
+        "requires_grad": tuple(binding.trainable()),
         "buffers": tuple((fqn, _tensor_meta(b)) for fqn, b in binding.buffers.items()),
         "training": tuple(tuple(m.training for m in modules) for modules in binding.submodules(args)),
         "grad_enabled": (torch.is_grad_enabled(),),

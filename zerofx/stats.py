@@ -87,7 +87,7 @@ def ring_volume(records: list[CollectiveRecord]) -> float:
 def _k_optimizer(binding, args, owned) -> float:
     """K of fp32 optimizer state over every optimizer of the step, weighted by the elements each one updates."""
     numel = {fqn: layout.numel for fqn, layout in owned.layouts.items()} if owned and owned.layouts else \
-        {fqn: p.numel() for fqn, p in binding.params.items() if p.requires_grad}
+        {fqn: p.numel() for fqn, p in binding.trainable().items()}
     weighted, total = 0.0, 0
     for opt in binding.optimizers(args):
         updated = sum(numel.get(binding.fqn_of[id(p)], 0) for group in opt.param_groups for p in group["params"])
@@ -100,14 +100,14 @@ def _k_optimizer(binding, args, owned) -> float:
 def trainable_numel(binding, owned) -> int:
     """Ψ: the elements of the distinct trainable parameters."""
     return sum(layout.numel for layout in owned.layouts.values()) if owned else \
-        sum(p.numel() for p in binding.params.values() if p.requires_grad)
+        sum(p.numel() for p in binding.trainable().values())
 
 
 def model_state_bytes(binding, args, owned, mixed, grads: int | None) -> dict[str, int | None]:
     """Bytes by class of what is kept between steps: the owned shards (``owned``, from stage 1 on or under mixed
     precision), else the module's parameters and the optimizer's state; ``grads`` as measured (None: not measured,
     and then no total)."""
-    module_params = [p for p in binding.params.values() if p.requires_grad]
+    module_params = list(binding.trainable().values())
     module_state = [v for opt in binding.optimizers(args) for s in opt.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor)]
     params = storage_bytes(owned.params.values()) if owned else storage_bytes(module_params)

@@ -59,7 +59,7 @@ class Prepared:
         self._accumulated: set[str] = set()  # parameters autograd accumulated a gradient into in this backward
         self._reduced: set[str] = set()  # parameters whose gradient a compiled backward communicated since then
         # the model's trainable parameters (under mixed precision at stage 0 the binding names the masters instead)
-        self._module_params = {fqn: p for fqn, p in self._binding.params.items() if p.requires_grad}
+        self._module_params = self._binding.trainable()
         self._compiled_grads: set[tuple[int, int]] = set()  # stage 0: (data_ptr, version) of each compiled gradient
         self._summed_with_eager: set[str] = set()  # stage 0: a compiled gradient arrived summed with another part
         self._end_of_backward_queued = False

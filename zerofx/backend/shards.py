@@ -48,8 +48,7 @@ class Shards:
     def __init__(self, binding: StepBinding, model: nn.Module, optimizer: torch.optim.Optimizer, stage: int,
                  ranks: MeshRanks, mixed: MixedPrecision | None):
         self.stage, self.ranks, self.mixed = stage, ranks, mixed
-        self.layouts = {fqn: ParamLayout(fqn, tuple(p.shape), mixed.param_dtype if mixed else p.dtype, ranks.size)
-                        for fqn, p in binding.params.items() if p.requires_grad}
+        self.layouts = binding.trainable_layouts(mixed.param_dtype if mixed else None, ranks.size)
         self.state = ShardedState.take(binding, (model, optimizer), self.layouts, stage, ranks.rank, mixed,
                                        group=ranks.group)
         self.params = {fqn: nn.Parameter(self._updated(fqn, binding)) for fqn in self.layouts}
