@@ -280,3 +280,25 @@ def test_an_optimizer_inside_a_tuple_is_named():
     model, opt = gpt_and_adamw()
     with pytest.raises(zerofx.CaptureError, match="argument 1 of the train step is a tuple holding AdamW"):
         zerofx.compile(lambda m, opts, x, y: train_step(m, opts[0], x, y))(model, (opt,), *token_batch(0, 0))
+
+
+def _train_mode_inside(model, optimizer, x, y):
+    model.train()
+    optimizer.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_modes_the_step_sets_are_set_again_on_every_call(stage):
+    """``model.train()`` inside the step, ``model.eval()`` between calls (an evaluation loop): after every call the
+    modules are in the modes the step left them in, as eagerly, not only after the call that traced."""
+    (model, opt), (ref_model, ref_opt) = gpt_and_adamw(), gpt_and_adamw()
+    step = zerofx.compile(_train_mode_inside, stage=stage)
+    for i in range(3):
+        model.eval(), ref_model.eval()
+        loss = step(model, opt, *token_batch(i, 0))
+        torch.testing.assert_close(loss, _train_mode_inside(ref_model, ref_opt, *token_batch(i, 0)).detach())
+        assert model.training and [m.training for m in model.modules()] == [m.training for m in ref_model.modules()]

@@ -101,6 +101,10 @@ class StepBinding:
             self._submodules = [list(module.modules()) for module in self.modules(args)]
         return self._submodules
 
+    def training_modes(self, args: tuple) -> tuple[tuple[bool, ...], ...]:
+        """Each module argument's modules' ``training`` flags."""
+        return tuple(tuple(m.training for m in modules) for modules in self.submodules(args))
+
     def optimizers(self, args: tuple) -> list[torch.optim.Optimizer]:
         return [args[i] for i in self.optimizer_positions]
 

@@ -50,6 +50,9 @@ class CapturedStep:
     user_out_spec: pytree.TreeSpec
     user_out_constants: dict[int, Any]  # leaves of the user's output that are not tensors
     grads_left: frozenset[str] = frozenset()  # parameters whose .grad eager leaves set after the step
+    # each module argument's modules' ``training`` flags as the step leaves them, where it changes one
+    # (``model.train()`` inside the step): a run of the graph sets them again, as the step's code would
+    modes_left: tuple[tuple[bool, ...], ...] | None = None
 
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
@@ -78,6 +81,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     out_slots: list[tuple[Slot, bool]] = []  # (slot, keep as a graph output)
     out_meta: dict[str, Any] = {}
     mixed_traces: list[MixedPrecisionTrace] = []  # made inside the trace, read after it
+    modes_before = binding.training_modes(args)
 
     def traced(*flat):
         fakes = dict(zip(range(len(slots)), flat))
@@ -177,7 +181,9 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     kept = _tag_outputs(gm.graph, out_slots)
     # every pass ends with recompile(); a lazy module generates the Python code once, when the step first runs
     gm = _LazyGraphModule.from_graphmodule(gm)
-    return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"])
+    modes_after = binding.training_modes(args)
+    return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
+                        modes_after if modes_after != modes_before else None)
 
 
 def _module_views(binding: StepBinding, modules: list, tensors: dict) -> list[tuple[Any, dict]]:

@@ -42,7 +42,7 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
         else tuple((fqn, _tensor_meta(p)) for fqn, p in binding.params.items()),
         "requires_grad": tuple(binding.trainable()),
         "buffers": tuple((fqn, _tensor_meta(b)) for fqn, b in binding.buffers.items()),
-        "training": tuple(tuple(m.training for m in modules) for modules in binding.submodules(args)),
+        "training": binding.training_modes(args),
         "grad_enabled": (torch.is_grad_enabled(),),
     }
     for oi, opt in enumerate(binding.optimizers(args)):

@@ -327,9 +327,13 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
             optimizers[slot.optimizer].state[binding.params[slot.fqn]][slot.key] = value
         elif slot.role == Role.NEW_BUFFER:
             _set_buffer(binding, args, slot.fqn, value)
-    for fqn, p in binding.params.items():
-        if p.requires_grad and fqn not in compiled.left_grads:
+    for fqn, p in binding.trainable().items():
+        if fqn not in compiled.left_grads:
             p.grad = None  # the step left no gradient (zero_grad at its end, or a sharded stage)
+    if compiled.captured.modes_left is not None:
+        for modules, modes in zip(binding.submodules(args), compiled.captured.modes_left):
+            for module, training in zip(modules, modes):
+                module.training = training
     leaves = [user_leaves[i] for i in range(len(user_leaves))]
     return pytree.tree_unflatten(leaves, compiled.captured.user_out_spec)
 
@@ -338,8 +342,8 @@ def _release_unread_grads(binding: StepBinding, read: frozenset[str]) -> None:
     """Drop the gradients the step will not read before it runs, as the ``zero_grad()`` it opens with does eagerly:
     the step replaces or clears every trainable parameter's ``.grad`` at its end anyway, and holding the last step's
     through this one would add them to its peak."""
-    for fqn, p in binding.params.items():
-        if p.requires_grad and p.grad is not None and fqn not in read:  # a frozen parameter's is the user's
+    for fqn, p in binding.trainable().items():
+        if p.grad is not None and fqn not in read:  # a frozen parameter's is the user's
             p.grad = None
 
 
