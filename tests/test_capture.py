@@ -302,3 +302,17 @@ def test_modes_the_step_sets_are_set_again_on_every_call(stage):
         loss = step(model, opt, *token_batch(i, 0))
         torch.testing.assert_close(loss, _train_mode_inside(ref_model, ref_opt, *token_batch(i, 0)).detach())
         assert model.training and [m.training for m in model.modules()] == [m.training for m in ref_model.modules()]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_calling_the_model_outside_the_step_that_took_it_is_refused_by_name(stage):
+    """From stage 1 on the model's own tensors are empty: an eager call names the parameter and the line instead of
+    failing inside the model, changes nothing, and the step still re-traces (a shorter batch) and trains as eager."""
+    (model, opt), (ref_model, ref_opt) = gpt_and_adamw(), gpt_and_adamw()
+    step = zerofx.compile(train_step, stage=stage)
+    for i, batch in enumerate([16, 16, 8]):
+        x, y = token_batch(i, 0, batch=batch)
+        torch.testing.assert_close(step(model, opt, x, y), train_step(ref_model, ref_opt, x, y).detach())
+        with pytest.raises(zerofx.CaptureError, match=r"(?s)outside the zerofx step .* 'wte.weight' .*"
+                                                      r"test_capture.py:\d+: model\(x, y\)"):
+            model(x, y)

@@ -37,9 +37,11 @@ _LIBRARY_DIRS = (
 )
 
 
-def user_frame(tb) -> str | None:
-    """The innermost frame of an exception's traceback that lies in the user's code (not torch, not zerofx)."""
-    frames = [f for f in traceback.extract_tb(tb) if not _is_library(f.filename)]
+def user_frame(tb=None) -> str | None:
+    """The innermost frame of an exception's traceback (None: of the current stack) that lies in the user's code (not
+    torch, not zerofx)."""
+    frames = [f for f in (traceback.extract_tb(tb) if tb is not None else traceback.extract_stack())
+              if not _is_library(f.filename)]
     if not frames:
         return None
     f = frames[-1]

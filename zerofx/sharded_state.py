@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zerofx.binding import StepBinding
-from zerofx.errors import CaptureError
+from zerofx.errors import CaptureError, user_frame
 from zerofx.mesh import local, release, released
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.sharding import ParamLayout
@@ -165,3 +165,26 @@ def refuse_taken(binding: StepBinding) -> None:
                 "left the original empty",
                 hint="keep calling the step that took it (eval mode, a new batch shape or an unfrozen parameter "
                      "re-trace that step), or load zerofx.full_state_dict(that step) into a new model and optimizer")
+
+
+_REFUSES_EAGER_FORWARD = "_zerofx_refuses_eager_forward"  # an attribute of a module `refuse_eager_forward` hooked
+
+
+def refuse_eager_forward(module: torch.nn.Module) -> None:
+    """From now on, calling ``module`` while one of its parameters is released raises, naming the parameter, instead
+    of failing inside the model on an empty tensor. The step's own traces run it on stand-ins and pass."""
+    if not getattr(module, _REFUSES_EAGER_FORWARD, False):
+        module.register_forward_pre_hook(_refuse_if_released)
+        setattr(module, _REFUSES_EAGER_FORWARD, True)
+
+
+def _refuse_if_released(module: torch.nn.Module, _inputs) -> None:
+    fqn = next((name for name, p in module.named_parameters() if released(p)), None)
+    if fqn is not None:
+        raise CaptureError(
+            f"the model is called outside the zerofx step that took its parameters: parameter '{fqn}' lives with "
+            "the step from stage 1 on (this rank's shard), and the module's own tensor is empty",
+            source=user_frame(),
+            hint="evaluate through the step (a call with the model in eval mode under torch.no_grad() traces an "
+                 "evaluation graph once), load zerofx.full_state_dict(step) into another model, or use "
+                 "zerofx.prepare with torch.compile(model, backend=zerofx.backend(...)), whose model runs eagerly too")
