@@ -316,3 +316,29 @@ def test_calling_the_model_outside_the_step_that_took_it_is_refused_by_name(stag
         with pytest.raises(zerofx.CaptureError, match=r"(?s)outside the zerofx step .* 'wte.weight' .*"
                                                       r"test_capture.py:\d+: model\(x, y\)"):
             model(x, y)
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = torch.nn.LSTM(8, 12, batch_first=True), torch.nn.Linear(12, 3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.head(self.rnn(x)[0][:, -1]), y)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_an_lstm_trains_as_eager(stage):
+    """nn.LSTM's CPU kernel makes the workspace its backward reads only with grad mode on: the step runs its graph
+    with grad mode on (inputs detached) where such a kernel is in it."""
+    def make():
+        torch.manual_seed(0)
+        model = _Recurrent()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    (model, opt), (ref_model, ref_opt) = make(), make()
+    step = zerofx.compile(train_step, stage=stage)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(4, 3, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+        torch.testing.assert_close(step(model, opt, x, y), train_step(ref_model, ref_opt, x, y).detach())

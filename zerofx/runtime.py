@@ -111,6 +111,11 @@ def _unheld_storage_object_refs() -> int:
     return _storage_counts(torch.empty(1))[1]
 
 
+# ops whose kernels read autograd's grad mode, which the step's graph runs with off: nn.LSTM's CPU kernel makes the
+# workspace its backward reads only with grad mode on (off, it returns an undefined tensor and the backward fails)
+GRAD_MODE_KERNELS = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
+
+
 @dataclass
 class CompiledGraph:
     captured: CapturedStep
@@ -150,6 +155,11 @@ class CompiledGraph:
     def takes_rank_or_arena(self) -> bool:
         """Whether a graph input comes from neither the module nor the optimizer nor the batch."""
         return any(slot.role in (Role.TP_RANK, Role.ARENA) for slot in self.input_slots)
+
+    @functools.cached_property
+    def runs_in_grad_mode(self) -> bool:
+        """Whether an op of the graph has a kernel that reads autograd's grad mode (`GRAD_MODE_KERNELS`)."""
+        return any(n.target in GRAD_MODE_KERNELS for n in self.gm.graph.nodes)
 
     @functools.cached_property
     def grads_read(self) -> frozenset[str]:
@@ -306,8 +316,10 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
     needs_lookup = state is not None or compiled.takes_rank_or_arena
     inputs = input_values(binding, args, compiled.input_slots, for_trace=False,
                           override=lookup if needs_lookup else None)
+    if compiled.runs_in_grad_mode:  # detached: the kernels see grad mode on, autograd records nothing
+        inputs = [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in inputs]
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(compiled.runs_in_grad_mode):
             # from its second run: rewriting takes a tenth of a build, not worth it for a graph run once
             step = compiled.runnable if compiled.has_run else compiled.gm
             compiled.has_run = True
