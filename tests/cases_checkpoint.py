@@ -12,7 +12,7 @@ import torch.distributed as dist
 import zerofx
 from zerofx.collectives import gloo_one_worker
 from zerofx.mixed_precision import LossScaling
-from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
+from models import TINY_GPT, bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
 from nanogpt import GPTConfig
 
 ODD_GPT = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=30)  # sizes that need padding
@@ -42,10 +42,15 @@ PRECISIONS = {"fp32": None, "bf16": zerofx.MixedPrecision(torch.bfloat16),
               "fp16": zerofx.MixedPrecision(torch.float16, loss_scaling=LossScaling(2.0**10, growth_interval=4))}
 
 
-def resume_is_bitwise(rank, world_size, stage, checkpoint_dir, port, precision="fp32"):
+MODELS = {"gpt": (gpt_and_adamw, token_batch),
+          "batchnorm": (bn_and_sgd, bn_batch)}  # running statistics differ by rank: rank 0's go on training
+
+
+def resume_is_bitwise(rank, world_size, stage, checkpoint_dir, port, precision="fp32", model="gpt"):
     """6 steps, save, 4 steps; then a fresh group, a differently initialised model, load, the same 4 steps."""
-    batches = [token_batch(i, rank) for i in range(10)]
-    model, opt = gpt_and_adamw()
+    make, batch = MODELS[model]
+    batches = [batch(i, rank) for i in range(10)]
+    model, opt = make()
     sched = warmup_schedule(opt)
     mixed = PRECISIONS[precision]
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=8 * 1024, mixed_precision=mixed)
@@ -55,7 +60,7 @@ def resume_is_bitwise(rank, world_size, stage, checkpoint_dir, port, precision="
     final, scale = zerofx.full_state_dict(step), step.loss_scale
 
     _fresh_process_group(rank, world_size, port)
-    model, opt = gpt_and_adamw(seed=7)
+    model, opt = make(seed=7)
     sched, data = warmup_schedule(opt), {"position": torch.tensor(0)}
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=8 * 1024, mixed_precision=mixed)
     step.bind(model, opt, *batches[0])

@@ -10,7 +10,7 @@ import cases_checkpoint as cases
 import zerofx
 from conftest import ROOT, _pool
 from dist_pool import _free_port
-from models import gpt_and_adamw, train_step
+from models import bn_and_sgd, bn_batch, gpt_and_adamw, train_step
 from nanogpt import GPT
 
 
@@ -24,6 +24,27 @@ def test_resume_is_bitwise_identical(ranks2, tmp_path, stage, precision):
     assert results[0]["lr"] == pytest.approx(3e-3)  # the scheduler came back: a fresh one would be at 5/8 of it
     assert results[0]["traces"] == 1  # bound before loading: the loaded step runs the graph bind captured
     assert results[0]["scale"] == (2.0**12 if precision == "fp16" else None)  # a fresh scale would be at 2^11
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_resume_with_batchnorm_goes_on_from_rank_0s_running_statistics(ranks2, tmp_path, stage):
+    """Each rank's running statistics differ after a step; the next step's forward broadcasts rank 0's. A checkpoint
+    holds rank 0's whichever rank it takes the replicated buffers from, so the resumed run's statistics, weights and
+    losses are the uninterrupted run's, bit for bit, on every rank."""
+    ranks2.run(cases.resume_is_bitwise, stage=stage, checkpoint_dir=str(tmp_path / "ckpt"), port=_free_port(),
+               model="batchnorm")
+
+
+def test_a_full_state_dict_is_a_snapshot_buffers_included():
+    """Kept as the best model so far, it does not change as training goes on: buffers are copies too."""
+    model, opt = bn_and_sgd()
+    step = zerofx.compile(train_step)
+    step(model, opt, *bn_batch(0, 0))
+    snapshot = zerofx.full_state_dict(step)
+    kept = {k: v.clone() for k, v in snapshot["model"].items()}
+    step(model, opt, *bn_batch(1, 0))
+    assert all(torch.equal(snapshot["model"][k], v) for k, v in kept.items())
+    assert not torch.equal(model.bn.running_mean, kept["bn.running_mean"])
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,9 @@
 ``state_dict(step)`` gives this rank's shards in place, for ``torch.distributed.checkpoint``: a sharded tensor is a
 ``ShardedTensor`` of the full shape whose local shards are views of the step's own storage (``flat_shards``), a
 replicated one the live tensor itself (a parameter too small to give every rank an element is gathered instead);
-``dcp.save`` writes them without gathering and ``dcp.load`` fills them where they live. ``full_state_dict(step)``
+``dcp.save`` writes them without gathering and ``dcp.load`` fills them where they live. Buffers are data-parallel rank
+0's on every rank (``state_dict`` broadcasts them in place first, as the next step's forward would): whichever rank a
+checkpoint takes a replicated tensor from, it holds the values training goes on from. ``full_state_dict(step)``
 gathers full copies. ``load_state_dict(step, sd)`` takes either, or DTensors such as FSDP2's; it checks every key
 and shape before it changes anything. Parameters are in their master precision (fp32 under mixed precision); the
 low-precision compute copies (stages 0-2, and stage 3's shards with ``cast_at_gather=False``) are derived from them
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
+from zerofx import collectives
 from zerofx.flat_shards import every_rank_holds, rank_boxes, sharded_view
 from zerofx.mesh import wrap
 from zerofx.sharding import ParamLayout, gather_full
@@ -39,8 +42,11 @@ def state_dict(step) -> dict:
     rank = owned.rank if owned is not None else 0
     in_place = (lambda layout, shard: _sharded(layout, shard, rank), torch.Tensor.detach)
     params = {fqn: _param(fqn, binding, owned, *in_place) for fqn in binding.params}
+    buffers = _persistent_buffers(binding, args)
+    _broadcast_from_first_rank(list(buffers.values()), step._dp)
     return _assemble(step, params, lambda oi, fqn, key, value: _state(oi, fqn, key, value, owned, *in_place),
-                     {"scale": owned.loss_scale, "growth_tracker": owned.growth_tracker} if _scaled(owned) else None)
+                     {"scale": owned.loss_scale, "growth_tracker": owned.growth_tracker} if _scaled(owned) else None,
+                     {name: b.detach() for name, b in buffers.items()})
 
 
 def full_state_dict(step, *, rank0_only: bool = False) -> dict:
@@ -58,7 +64,8 @@ def full_state_dict(step, *, rank0_only: bool = False) -> dict:
 
     out = _assemble(step, params, state,
                     {"scale": owned.loss_scale.item(), "growth_tracker": int(owned.growth_tracker.item())}
-                    if _scaled(owned) else None)
+                    if _scaled(owned) else None,
+                    {name: b.detach().clone() for name, b in _persistent_buffers(binding, args).items()})
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return out
@@ -78,8 +85,8 @@ def load_state_dict(step, sd: dict) -> None:
     with torch.no_grad():
         for fqn in binding.params:
             _load_param(fqn, sd["model"][fqn], binding, owned)
-        for name in _persistent_buffers(binding, args):
-            binding.buffers[binding.buffer_aliases[name]].copy_(_full(sd["model"][name], name))
+        for name, buffer in _persistent_buffers(binding, args).items():
+            buffer.copy_(_full(sd["model"][name], name))
         opt_sds = sd["optimizer"] if isinstance(sd["optimizer"], list) else [sd["optimizer"]]
         for oi, (opt, saved) in enumerate(zip(binding.optimizers(args), opt_sds)):
             _load_optimizer(oi, opt, saved, binding, owned)
@@ -100,11 +107,10 @@ def _scaled(owned) -> bool:
     return owned is not None and owned.loss_scale is not None
 
 
-def _assemble(step, params: dict, state_value, loss_scale: dict | None) -> dict:
+def _assemble(step, params: dict, state_value, loss_scale: dict | None, buffers: dict) -> dict:
     binding, args = step._binding, step._args
     model = {name: params[fqn] for name, fqn in binding.param_aliases.items()}
-    for name in _persistent_buffers(binding, args):
-        model[name] = binding.buffers[binding.buffer_aliases[name]].detach()
+    model.update(buffers)
     fqn_of = binding.fqn_of
     optimizers = []
     for oi, opt in enumerate(binding.optimizers(args)):
@@ -121,13 +127,27 @@ def _assemble(step, params: dict, state_value, loss_scale: dict | None) -> dict:
     return out
 
 
-def _persistent_buffers(binding, args) -> list[str]:
-    """Buffer names a module's own ``state_dict`` lists (non-persistent ones are left out, as there)."""
+def _persistent_buffers(binding, args) -> dict[str, torch.Tensor]:
+    """The buffers a module's own ``state_dict`` lists (non-persistent ones are left out, as there), by name."""
     names = []
     for pos, module in zip(binding.module_positions, binding.modules(args)):
         prefix = "" if len(binding.module_positions) == 1 else f"arg{pos}."
         names += [prefix + n for n in module.state_dict(keep_vars=True) if prefix + n in binding.buffer_aliases]
-    return names
+    return {name: binding.buffers[binding.buffer_aliases[name]] for name in names}
+
+
+def _broadcast_from_first_rank(buffers: list[torch.Tensor], ranks) -> None:
+    """Overwrite ``buffers`` in place with data-parallel rank 0's values: one flat broadcast per dtype."""
+    if ranks.size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in buffers:
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for same_dtype in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in same_dtype])
+        collectives.broadcast_control(flat, 0, ranks.group)
+        for b, piece in zip(same_dtype, flat.split([b.numel() for b in same_dtype])):
+            b.detach().copy_(piece.view_as(b))
 
 
 # --- reading -------------------------------------------------------------------------------------------------------
