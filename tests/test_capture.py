@@ -342,3 +342,61 @@ def test_an_lstm_trains_as_eager(stage):
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(4, 3, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
         torch.testing.assert_close(step(model, opt, x, y), train_step(ref_model, ref_opt, x, y).detach())
+
+
+class _Tempered(torch.nn.Module):
+    """Logits divided by a temperature the loop anneals; ``counting`` also counts its calls in Python."""
+
+    def __init__(self, counting=False):
+        super().__init__()
+        self.linear, self.temperature, self.counting, self.calls = torch.nn.Linear(8, 3), 1.0, counting, 0
+
+    def forward(self, x):
+        if self.counting:
+            self.calls += 1
+        return self.linear(x) / self.temperature
+
+
+LOSS_WEIGHT = 1.0  # a schedule the loop sets, read by the step function from its globals
+
+
+def _weighted_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    out = model(x)
+    loss = torch.nn.functional.cross_entropy(out, y) + LOSS_WEIGHT * out.pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_plain_values_the_loop_changes_re_trace(stage):
+    """A module attribute (a temperature) and a global of the step function (a loss weight) changed between calls:
+    each new value re-traces, and the step trains as eager."""
+    global LOSS_WEIGHT
+
+    def make():
+        torch.manual_seed(0)
+        model = _Tempered()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    (model, opt), (ref_model, ref_opt) = make(), make()
+    step = zerofx.compile(_weighted_step, stage=stage)
+    try:
+        for i, (temperature, weight) in enumerate([(1.0, 1.0), (0.5, 1.0), (0.5, 0.0), (1.0, 1.0)]):
+            model.temperature = ref_model.temperature = temperature
+            LOSS_WEIGHT = weight
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+            torch.testing.assert_close(step(model, opt, x, y), _weighted_step(ref_model, ref_opt, x, y).detach())
+    finally:
+        LOSS_WEIGHT = 1.0
+    assert step.stats().traces == 3  # the last call's values were traced before
+
+
+def test_a_plain_value_the_step_changes_in_python_is_refused():
+    """A counter in ``forward`` would count traces, not calls."""
+    model = _Tempered(counting=True)
+    with pytest.raises(zerofx.CaptureError, match=r"module attribute 'calls' .* \(0 -> 1\)"):
+        zerofx.compile(_weighted_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8),
+                                       torch.randint(0, 3, (6,)))

@@ -200,7 +200,7 @@ class CompiledStep:
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = self._dp.size, self._dp.rank, self._dp.group_name
-        key = guards.step_key(binding, args, self._owned_parts, bool(self._reads_incoming_grads))
+        key = guards.step_key(binding, args, self._owned_parts, bool(self._reads_incoming_grads), self.train_step)
         same = key == self._last_key  # the common case: no freezing, hashing or cache lookup
         if not same:
             self._refuse_refreezing(binding)
@@ -327,7 +327,7 @@ class CompiledStep:
                                  specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None,
                                  arena=self._arena)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:
-            key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True)
+            key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True, step_fn=self.train_step)
         self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)
         self._cache[guards.freeze(key)] = compiled
         self._traces += 1

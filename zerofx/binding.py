@@ -29,6 +29,8 @@ class StepBinding:
     buffers: dict[str, torch.Tensor]
     buffer_aliases: dict[str, str]
     _submodules: list[list[nn.Module]] | None = None
+    # `zerofx.guards.module_attributes`' cache: each submodule's attribute count, and its plain attributes' names
+    plain_attributes: tuple[list[int], list[list[str]]] | None = None
 
     def trainable(self) -> dict[str, nn.Parameter]:
         """The parameters the step trains: those that require grad, by fqn."""

@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils import stateless
 
-from zerofx import optim_support
+from zerofx import guards, optim_support
 from zerofx.binding import StepBinding, input_slots, input_values
 from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
 from zerofx.mesh import DTensorSpecs, local, rebuild
@@ -82,6 +82,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     out_meta: dict[str, Any] = {}
     mixed_traces: list[MixedPrecisionTrace] = []  # made inside the trace, read after it
     modes_before = binding.training_modes(args)
+    plain_before = guards.module_attributes(binding, args), guards.function_values(train_step)
 
     def traced(*flat):
         fakes = dict(zip(range(len(slots)), flat))
@@ -181,9 +182,34 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     kept = _tag_outputs(gm.graph, out_slots)
     # every pass ends with recompile(); a lazy module generates the Python code once, when the step first runs
     gm = _LazyGraphModule.from_graphmodule(gm)
+    _refuse_python_side_effects(plain_before, binding, args, train_step)
     modes_after = binding.training_modes(args)
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
                         modes_after if modes_after != modes_before else None)
+
+
+def _refuse_python_side_effects(before: tuple, binding: StepBinding, args: tuple, train_step: Callable) -> None:
+    """A plain value the step changes in Python (a counter in ``forward``, a global it assigns) would change only
+    when it traces, not on the calls that run the graph: refused, naming it."""
+    attributes, values = ({value[:-1]: value[-1] for value in part} for part in before)
+    for (j, name), new in {a[:-1]: a[-1] for a in guards.module_attributes(binding, args)}.items():
+        if attributes.get((j, name), "unset") != new:
+            paths = [f"arg{pos}.{n}" if len(binding.module_positions) > 1 else n
+                     for pos, module in zip(binding.module_positions, binding.modules(args))
+                     for n, _ in module.named_modules()]
+            where = f"'{paths[j]}.{name}'" if paths[j] else f"'{name}' of the model"
+            old = repr(attributes[j, name]) if (j, name) in attributes else "unset"
+            raise _side_effect(f"module attribute {where}", old, repr(new))
+    for (name,), new in {v[:-1]: v[-1] for v in guards.function_values(train_step)}.items():
+        if values.get((name,), "unset") != new:
+            raise _side_effect(f"global '{name}'", values.get((name,), "unset"), new)
+
+
+def _side_effect(what: str, old: str, new: str) -> CaptureError:
+    return CaptureError(f"the step changes {what} in Python ({old} -> {new}): a compiled step runs its Python only "
+                        "when it traces, so the change would happen once, not on every call",
+                        hint="make the change outside the step (in the training loop), or keep the value in a "
+                             "tensor (a buffer) the step updates in place")
 
 
 def _module_views(binding: StepBinding, modules: list, tensors: dict) -> list[tuple[Any, dict]]:

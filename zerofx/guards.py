@@ -1,7 +1,9 @@
 """What a captured graph depends on besides its inputs. A change of any of these re-traces (cached per key).
 
 Parameter and buffer shapes, dtypes, devices and ``requires_grad``; which parameters have a ``.grad`` (for a
-step that reads incoming gradients); every module's train/eval mode; the optimizer's type, groups, state layout and
+step that reads incoming gradients); every module's train/eval mode and plain attributes (numbers, strings, flags:
+a temperature annealed from the loop); the plain values the step function reads from its globals and closure (a
+loss weight on a schedule); the optimizer's type, groups, state layout and
 its hyperparameters that are not graph inputs; the batch's structure, shapes and dtypes and any non-tensor
 argument's value. Of a hyperparameter that is a
 graph input the key holds only the branch torch.optim takes on it (``momentum != 0``), never its value.
@@ -30,8 +32,44 @@ def _state_part(opt: torch.optim.Optimizer, fqn_of: dict[int, str]) -> tuple:
                  for p, s in opt.state.items())
 
 
+_PLAIN = (bool, int, float, str, type(None))  # values a trace reads as constants
+
+
+def module_attributes(binding: StepBinding, args: tuple) -> tuple:
+    """(submodule, name, value) of every plain attribute of the modules but ``training``: a forward
+    that reads one bakes its value into the graph. Which attributes are plain is found again only when a module
+    gains or loses one (a step reads them all every call)."""
+    modules = [m for submodules in binding.submodules(args) for m in submodules]
+    sizes = [len(vars(m)) for m in modules]
+    if binding.plain_attributes is None or binding.plain_attributes[0] != sizes:
+        names = [[name for name, value in vars(m).items()
+                  if type(value) in _PLAIN and name != "training" and not name.startswith("_")] for m in modules]
+        binding.plain_attributes = sizes, names
+    values = []
+    for j, (m, names) in enumerate(zip(modules, binding.plain_attributes[1])):
+        own = vars(m)
+        values += [(j, name, own[name] if type(own[name]) in _PLAIN else "<not plain>") for name in names]
+    return tuple(values)
+
+
+def function_values(fn) -> tuple:
+    """(name, repr) of the plain values ``fn``'s own code reads from its globals and closure cells."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ()
+    scope = fn.__globals__
+    values = [(name, repr(scope[name])) for name in code.co_names if type(scope.get(name, ...)) in _PLAIN]
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            if type(cell.cell_contents) in _PLAIN:
+                values.append((name, repr(cell.cell_contents)))
+        except ValueError:  # an empty cell: not yet assigned
+            pass
+    return tuple(values)
+
+
 def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | None = None,
-             reads_incoming_grads: bool = False) -> dict[str, tuple]:
+             reads_incoming_grads: bool = False, step_fn=None) -> dict[str, tuple]:
     """The guard key as named parts, so a re-trace can say what changed. ``owned_parts`` replaces the parts
     describing state a sharded step has taken from the module and optimizer (recorded before it released them).
     Which parameters have a ``.grad`` is part of the key only for a step that reads incoming gradients."""
@@ -43,6 +81,8 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
         "requires_grad": tuple(binding.trainable()),
         "buffers": tuple((fqn, _tensor_meta(b)) for fqn, b in binding.buffers.items()),
         "training": binding.training_modes(args),
+        "attributes": module_attributes(binding, args),
+        "globals": function_values(step_fn),
         "grad_enabled": (torch.is_grad_enabled(),),
     }
     for oi, opt in enumerate(binding.optimizers(args)):
