@@ -400,3 +400,29 @@ def test_a_plain_value_the_step_changes_in_python_is_refused():
     with pytest.raises(zerofx.CaptureError, match=r"module attribute 'calls' .* \(0 -> 1\)"):
         zerofx.compile(_weighted_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8),
                                        torch.randint(0, 3, (6,)))
+
+
+class _Complex(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 3, dtype=torch.cfloat) * 0.3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy((x.to(torch.cfloat) @ self.w).abs(), y)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_complex_parameter_trains_at_stage_0_and_is_named_from_stage_1(stage):
+    def make():
+        torch.manual_seed(0)
+        model = _Complex()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    (model, opt), (ref_model, ref_opt) = make(), make()
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    step = zerofx.compile(train_step, stage=stage)
+    if stage:
+        with pytest.raises(zerofx.CaptureError, match=r"parameter 'w' is torch.complex64: zerofx shards real"):
+            step(model, opt, x, y)
+    else:
+        torch.testing.assert_close(step(model, opt, x, y), train_step(ref_model, ref_opt, x, y).detach())

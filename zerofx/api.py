@@ -125,6 +125,16 @@ def compile(train_step=None, *, stage: int = 0, bucket_bytes: int | None = None,
     return CompiledStep(train_step, config=config)
 
 
+def _refuse_complex_shards(binding: StepBinding) -> None:
+    """From stage 1 on a parameter is sharded as a flat range of real elements; torch.optim updates a complex one
+    through ``view_as_real``, which no such range can take."""
+    for fqn, p in binding.trainable().items():
+        if p.is_complex():
+            raise CaptureError(f"parameter '{fqn}' is {p.dtype}: zerofx shards real parameters only (stages 1-3)",
+                               hint="train the model at stage 0, or keep the parameter as two real ones (its real "
+                                    "and imaginary parts)")
+
+
 def _refuse_prepared(modules) -> None:
     from zerofx.backend.prepared import is_prepared  # the backend builds on this module
 
@@ -293,6 +303,8 @@ class CompiledStep:
             self._binding, self._binding_ids = StepBinding.from_args(args), ids
             refuse_taken(self._binding)
             _refuse_prepared(self._binding.modules(args))
+            if self.config.stage >= 1:
+                _refuse_complex_shards(self._binding)
             if first and self._dp.size > 1:
                 runtime.sync_module_states(self._binding, self._dp.group)
         return self._binding
