@@ -32,6 +32,20 @@ def _clipped(model, optimizer, x, y):
     return loss
 
 
+def _clipped_through_zerofx(model, optimizer, x, y):
+    """`_clipped` for a prepared model whose gradients are the optimizer's shards (stage 1 on): clipped with
+    ``zerofx.clip_grad_norm_``; DDP's as before."""
+    optimizer.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    if isinstance(model, DDP):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    else:
+        zerofx.clip_grad_norm_(model, 0.05)
+    optimizer.step()
+    return loss
+
+
 def _compiled(model, optimizer, stage, **backend_options):
     torch._dynamo.reset()  # each case compiles afresh: no region of an earlier model is reused
     model, optimizer = zerofx.prepare(model, optimizer, stage=stage)
@@ -267,15 +281,16 @@ def _evaluate_beside_ddp(compiled, model, ref_model, rank, stage, step):
 
 def eager_parameters_against_ddp(rank, world_size, stage, model, mixed_precision=False, steps=5):
     """Parameters read by eager code (some of them also inside a compiled region) train as DDP does, in each loop
-    style (at stage 0 also with clipping between backward and step), and their gradients reach the update. With
+    style (also with clipping between backward and step: torch's at stage 0, ``zerofx.clip_grad_norm_`` from stage 1
+    on), and their gradients reach the update. With
     ``mixed_precision`` (bf16) the reference is the whole-step path with the same `MixedPrecision` (it traces
     through the eager code): losses within bf16 rounding, since the backend reduces the eager and the compiled part
     of the tied embedding's gradient apart. The last step's
     data collectives."""
     build, apply_compile = EAGER_MODELS[model]
     mixed = zerofx.MixedPrecision(param_dtype=torch.bfloat16) if mixed_precision else None
-    clips = stage == 0 and mixed is None  # from stage 1 on gradients live on the optimizer's shards
-    for loop in [*LOOPS.values(), _clipped] if clips else LOOPS.values():
+    clipped = _clipped if stage == 0 else _clipped_through_zerofx  # from stage 1 on the shards hold the gradients
+    for loop in [*LOOPS.values(), clipped] if mixed is None else LOOPS.values():
         ref_model, ref_opt = build()
         model_, opt = build()
         torch._dynamo.reset()

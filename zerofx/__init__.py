@@ -11,7 +11,7 @@ or as a torch.compile backend, training eagerly as before:
 
 from zerofx import checkpoint, passes
 from zerofx.api import CompiledStep, Config, compile
-from zerofx.backend import backend, prepare, prepared
+from zerofx.backend import backend, clip_grad_norm_, prepare, prepared
 from zerofx.collectives import CollectiveRecord
 from zerofx.errors import CaptureError, CheckpointError, RankMismatchError
 from zerofx.memory import LiveStorageTracker
@@ -25,5 +25,5 @@ __all__ = [
     "compile", "CompiledStep", "Config", "MixedPrecision", "LossScaling", "CaptureError", "CheckpointError",
     "RankMismatchError",
     "state_dict", "load_state_dict", "full_state_dict", "checkpoint", "StepStats", "CollectiveRecord",
-    "LiveStorageTracker", "plan", "report", "passes", "backend", "prepare", "prepared",
+    "LiveStorageTracker", "plan", "report", "passes", "backend", "prepare", "prepared", "clip_grad_norm_",
 ]

@@ -6,7 +6,8 @@ same passes as a whole captured step.
     model = torch.compile(model, backend=zerofx.backend(stage=3))
 """
 
+from zerofx.backend.clipping import clip_grad_norm_
 from zerofx.backend.compiler import Backend, backend
 from zerofx.backend.prepared import Prepared, prepare, prepared
 
-__all__ = ["Backend", "backend", "Prepared", "prepare", "prepared"]
+__all__ = ["Backend", "backend", "clip_grad_norm_", "Prepared", "prepare", "prepared"]
