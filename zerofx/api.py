@@ -376,6 +376,11 @@ class CompiledStep:
         owned = self._owned
         return None if owned is None or owned.loss_scale is None else owned.loss_scale.item()
 
+    @property
+    def ranks(self):
+        """This rank's place among the data-parallel ranks (as a prepared model's ``ranks``)."""
+        return self._dp
+
     def release_arena(self) -> None:
         """Free the arena ``memory_plan`` keeps between steps (before evaluation or other work outside the step,
         say); the next step allocates it again. Gradients the last step left in it keep its bytes until they are

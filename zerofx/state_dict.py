@@ -43,7 +43,7 @@ def state_dict(step) -> dict:
     in_place = (lambda layout, shard: _sharded(layout, shard, rank), torch.Tensor.detach)
     params = {fqn: _param(fqn, binding, owned, *in_place) for fqn in binding.params}
     buffers = _persistent_buffers(binding, args)
-    _broadcast_from_first_rank(list(buffers.values()), step._dp)
+    _broadcast_from_first_rank(list(buffers.values()), step.ranks)
     return _assemble(step, params, lambda oi, fqn, key, value: _state(oi, fqn, key, value, owned, *in_place),
                      {"scale": owned.loss_scale, "growth_tracker": owned.growth_tracker} if _scaled(owned) else None,
                      {name: b.detach() for name, b in buffers.items()})
