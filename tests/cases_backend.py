@@ -13,9 +13,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
 from zerofx import collectives
+from zerofx.backend.prepared import is_prepared
 from zerofx.errors import RankMismatchError
 from cases_loops import _zero_grad_last, assert_matches_ddp
-from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
+from models import TINY_GPT, bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
 from nanogpt import GPT, param_groups
 
 LOOPS = {"zero_grad first": train_step, "zero_grad last": _zero_grad_last}
@@ -483,6 +484,63 @@ def bf16_against_whole_step(rank, world_size, runs, steps=4):
             "model_states": (backend_stats.model_state_bytes, step_stats.model_state_bytes),
             "formula": _formula_bytes(backend_stats), "psi": backend_stats.num_params,
         }
+    return results
+
+
+def _clipped_returning_norm(model, optimizer, x, y, max_norm=0.05):
+    """`_clipped`, returning the total norm too: ``zerofx.clip_grad_norm_`` for a prepared model, torch's for one a
+    whole step traces."""
+    optimizer.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    if is_prepared(model):
+        norm = zerofx.clip_grad_norm_(model, max_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return loss, norm
+
+
+def bf16_clipped_against_whole_step(rank, world_size, stages, steps=3):
+    """For each stage, ``steps`` clipped steps of the test GPT under ``MixedPrecision(param_dtype=torch.bfloat16)``
+    through the backend (``zerofx.clip_grad_norm_``) and through ``zerofx.compile`` (torch's clip, traced): the
+    losses and total norms of both paths, and the largest difference between their final fp32 master parameters."""
+    results = {}
+    for stage in stages:
+        mixed = zerofx.MixedPrecision(torch.bfloat16)
+        torch._dynamo.reset()
+        model, opt = zerofx.prepare(*gpt_and_adamw(seed=rank), stage=stage, mixed_precision=mixed)
+        compiled = torch.compile(model, backend=zerofx.backend(stage=stage))
+        backend = [_clipped_returning_norm(compiled, opt, *token_batch(i, rank)) for i in range(steps)]
+        step = zerofx.compile(_clipped_returning_norm, stage=stage, mixed_precision=mixed, recompute_pointwise=False)
+        whole_model, whole_opt = gpt_and_adamw()
+        whole = [step(whole_model, whole_opt, *token_batch(i, rank)) for i in range(steps)]
+        ours, theirs = zerofx.full_state_dict(zerofx.prepared(model)), zerofx.full_state_dict(step)
+        results[stage] = {
+            "losses": ([loss.item() for loss, _ in backend], [loss.item() for loss, _ in whole]),
+            "norms": ([norm.item() for _, norm in backend], [norm.item() for _, norm in whole]),
+            "param_difference": max((ours["model"][k] - theirs["model"][k]).abs().max().item() for k in ours["model"]),
+        }
+    return results
+
+
+def bf16_batchnorm_against_whole_step(rank, world_size, stages, steps=4):
+    """For each stage, ``steps`` steps of a BatchNorm model under ``MixedPrecision(param_dtype=torch.bfloat16)``
+    through the backend and through ``zerofx.compile``: the losses of both, and the names of the parameters and
+    buffers (running statistics) whose final values differ."""
+    results = {}
+    for stage in stages:
+        mixed = zerofx.MixedPrecision(torch.bfloat16)
+        torch._dynamo.reset()
+        model, opt = zerofx.prepare(*bn_and_sgd(), stage=stage, mixed_precision=mixed)
+        compiled = torch.compile(model, backend=zerofx.backend(stage=stage))
+        backend_losses = [train_step(compiled, opt, *bn_batch(i, rank)).item() for i in range(steps)]
+        step = zerofx.compile(train_step, stage=stage, mixed_precision=mixed, recompute_pointwise=False)
+        whole_model, whole_opt = bn_and_sgd()
+        step_losses = [step(whole_model, whole_opt, *bn_batch(i, rank)).item() for i in range(steps)]
+        ours, theirs = zerofx.full_state_dict(zerofx.prepared(model)), zerofx.full_state_dict(step)
+        results[stage] = {"losses": (backend_losses, step_losses),
+                          "different": _different(ours["model"], theirs["model"])}
     return results
 
 

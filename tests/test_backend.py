@@ -156,6 +156,31 @@ def bf16_beside_whole_step():
     return _pool(2).run(cases.bf16_against_whole_step, runs=BF16_RUNS)[0]
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_batchnorm_under_bf16_trains_through_the_backend_as_the_whole_step_does(ranks2, stage):
+    """bf16 weights, fp32 running statistics: both paths call the norm with its weights cast up to the statistics'
+    dtype, and give bitwise the same losses, parameters and statistics."""
+    result = ranks2.run(cases.bf16_batchnorm_against_whole_step, stages=[stage])[0][stage]
+    assert result["losses"][0] == result["losses"][1]
+    assert result["different"] == []
+
+
+@pytest.fixture(scope="module")
+def bf16_clipped_beside_whole_step():
+    return _pool(2).run(cases.bf16_clipped_against_whole_step, stages=[0, 1, 2, 3])[0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zerofx_clip_under_bf16_clips_as_the_whole_step_does(bf16_clipped_beside_whole_step, stage):
+    """Under bf16 the prepared model's gradients are the optimizer's fp32 shards at every stage (stage 0's masters
+    too): ``zerofx.clip_grad_norm_`` finds the total norm over all ranks' shards that torch's clip, traced into a whole
+    step, finds over whole gradients, bit for bit, and so do the clipped fp32 masters."""
+    result = bf16_clipped_beside_whole_step[stage]
+    backend_norms, step_norms = result["norms"]
+    assert backend_norms == step_norms and min(backend_norms) > 0.05  # every step clipped (max_norm 0.05)
+    assert result["losses"][0] == result["losses"][1]
+    assert result["param_difference"] == 0.0
+
 @pytest.mark.parametrize("stage, reduce_dtype", BF16_RUNS)
 def test_bf16_through_the_backend_is_bitwise_the_whole_step_paths(bf16_beside_whole_step, stage, reduce_dtype):
     """MixedPrecision(param_dtype=torch.bfloat16) through the backend: 4 steps give bitwise the losses, fp32 master

@@ -16,6 +16,13 @@ def _capture(step_fn=train_step, make=gpt_and_adamw, batch=token_batch):
     return capture(step_fn, StepBinding.from_args(args), args), model
 
 
+def _seeded_with_adamw(module_class):
+    """A model built from seed 0 and its AdamW: two calls give twins, one for the step and one for eager."""
+    torch.manual_seed(0)
+    model = module_class()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def test_every_node_has_a_phase_and_inputs_have_roles():
     captured, model = _capture()
     graph = captured.gm.graph
@@ -291,7 +298,7 @@ def _train_mode_inside(model, optimizer, x, y):
     return loss
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_modes_the_step_sets_are_set_again_on_every_call(stage):
     """``model.train()`` inside the step, ``model.eval()`` between calls (an evaluation loop): after every call the
     modules are in the modes the step left them in, as eagerly, not only after the call that traced."""
@@ -327,16 +334,11 @@ class _Recurrent(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(self.rnn(x)[0][:, -1]), y)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_an_lstm_trains_as_eager(stage):
     """nn.LSTM's CPU kernel makes the workspace its backward reads only with grad mode on: the step runs its graph
     with grad mode on (inputs detached) where such a kernel is in it."""
-    def make():
-        torch.manual_seed(0)
-        model = _Recurrent()
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    (model, opt), (ref_model, ref_opt) = make(), make()
+    (model, opt), (ref_model, ref_opt) = _seeded_with_adamw(_Recurrent), _seeded_with_adamw(_Recurrent)
     step = zerofx.compile(train_step, stage=stage)
     for i in range(3):
         g = torch.Generator().manual_seed(i)
@@ -369,18 +371,13 @@ def _weighted_step(model, optimizer, x, y):
     return loss
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_plain_values_the_loop_changes_re_trace(stage):
     """A module attribute (a temperature) and a global of the step function (a loss weight) changed between calls:
     each new value re-traces, and the step trains as eager."""
     global LOSS_WEIGHT
 
-    def make():
-        torch.manual_seed(0)
-        model = _Tempered()
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    (model, opt), (ref_model, ref_opt) = make(), make()
+    (model, opt), (ref_model, ref_opt) = _seeded_with_adamw(_Tempered), _seeded_with_adamw(_Tempered)
     step = zerofx.compile(_weighted_step, stage=stage)
     try:
         for i, (temperature, weight) in enumerate([(1.0, 1.0), (0.5, 1.0), (0.5, 0.0), (1.0, 1.0)]):
@@ -413,12 +410,7 @@ class _Complex(torch.nn.Module):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_complex_parameter_trains_at_stage_0_and_is_named_from_stage_1(stage):
-    def make():
-        torch.manual_seed(0)
-        model = _Complex()
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    (model, opt), (ref_model, ref_opt) = make(), make()
+    (model, opt), (ref_model, ref_opt) = _seeded_with_adamw(_Complex), _seeded_with_adamw(_Complex)
     x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
     step = zerofx.compile(train_step, stage=stage)
     if stage:

@@ -26,13 +26,14 @@ def test_resume_is_bitwise_identical(ranks2, tmp_path, stage, precision):
     assert results[0]["scale"] == (2.0**12 if precision == "fp16" else None)  # a fresh scale would be at 2^11
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_resume_with_batchnorm_goes_on_from_rank_0s_running_statistics(ranks2, tmp_path, stage):
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_with_batchnorm_goes_on_from_rank_0s_running_statistics(ranks2, tmp_path, stage, precision):
     """Each rank's running statistics differ after a step; the next step's forward broadcasts rank 0's. A checkpoint
     holds rank 0's whichever rank it takes the replicated buffers from, so the resumed run's statistics, weights and
     losses are the uninterrupted run's, bit for bit, on every rank."""
     ranks2.run(cases.resume_is_bitwise, stage=stage, checkpoint_dir=str(tmp_path / "ckpt"), port=_free_port(),
-               model="batchnorm")
+               precision=precision, model="batchnorm")
 
 
 def test_a_full_state_dict_is_a_snapshot_buffers_included():

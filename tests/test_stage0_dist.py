@@ -7,15 +7,9 @@ from models import gpt_and_adamw
 
 
 def test_transformer_adamw_matches_ddp(ranks2):
-    results = ranks2.run(cases.ddp_parity, model_kind="gpt")
+    results = ranks2.run(cases.ddp_parity)
     assert results[0]["losses"] != results[1]["losses"]  # each rank trained on its own data
     assert results[0]["losses"][-1] < results[0]["losses"][0]
-
-
-def test_batchnorm_sgd_momentum_matches_ddp(ranks2):
-    results = ranks2.run(cases.ddp_parity, model_kind="bn")
-    # running statistics follow each rank's own data after rank 0's were broadcast: they differ between ranks
-    assert results[0]["buffers"]["bn.running_var"] != results[1]["buffers"]["bn.running_var"]
 
 
 def test_one_allreduce_per_bucket_and_commdebugmode_agrees(ranks2):

@@ -34,7 +34,7 @@ from zerofx.binding import StepBinding, input_slots, input_values
 from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
 from zerofx.mesh import DTensorSpecs, local, rebuild
 from zerofx.rng import traced_rng_state
-from zerofx.mixed_precision import (MixedPrecision, MixedPrecisionTrace, cast_floating_inputs,
+from zerofx.mixed_precision import (MixedPrecision, MixedPrecisionTrace, NormsWithStatistics, cast_floating_inputs,
                                     drop_superseded_conversions)
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, is_mutating, storage_root
 from zerofx.trace_events import (PhaseRecorder, RegionRecorder, hook, on_optimizer_start, swap_optimizer,
@@ -130,6 +130,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                 if mixed is not None and mixed.cast_forward_inputs:
                     stack.enter_context(hook(module.register_forward_pre_hook(
                         cast_floating_inputs(mixed.param_dtype), with_kwargs=True)))
+            if mixed is not None:
+                stack.enter_context(NormsWithStatistics())
             if mixed_trace is not None:  # a submodule called directly after backward computes in param_dtype too
                 stack.enter_context(hook(torch.nn.modules.module.register_module_forward_pre_hook(
                     lambda *_: mixed_trace.show_compute())))

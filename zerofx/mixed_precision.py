@@ -11,10 +11,13 @@ Passes shard the master weights with the optimizer state
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 
 @dataclass(frozen=True)
@@ -158,3 +161,25 @@ def cast_floating_inputs(dtype: torch.dtype):
         return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
                                     (args, kwargs))
     return hook
+
+
+class NormsWithStatistics(TorchFunctionMode):
+    """Batch norm with low-precision weights and fp32 running statistics (a model whose parameters mixed precision
+    casts, and not its buffers) has no kernel: torch's take a low-precision input only with weight, bias and
+    statistics all fp32, or all in the input's dtype. Active while a step is traced, it calls such a norm with its
+    weight and bias cast up to the statistics' dtype (exact), where they are used, so the kernel computes as under
+    autocast and the statistics stay fp32; the gradients flow back through the casts, into ``param_dtype``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.batch_norm:
+            call = _BATCH_NORM.bind(*args, **(kwargs or {}))
+            statistics = call.arguments["running_mean"]
+            for name in ("weight", "bias"):
+                value = call.arguments.get(name)
+                if statistics is not None and value is not None and value.itemsize < statistics.itemsize:
+                    call.arguments[name] = value.to(statistics.dtype)
+            args, kwargs = call.args, call.kwargs
+        return func(*args, **(kwargs or {}))
+
+
+_BATCH_NORM = inspect.signature(F.batch_norm)

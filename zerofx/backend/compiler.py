@@ -14,6 +14,7 @@ stay FX GraphModules (no Inductor); every collective they issue is recorded for 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 
@@ -30,6 +31,7 @@ from zerofx.backend.aot_graphs import (add_master_inputs, graph_inputs, hand_sha
                                        tag_forward)
 from zerofx.backend.prepared import Prepared, owner_of
 from zerofx.fast_calls import fast_calls
+from zerofx.mixed_precision import NormsWithStatistics
 from zerofx.passes import PassContext, Pipeline, allgather_params, pipeline, shard_optimizer_state
 from zerofx.step_graph import Role
 
@@ -65,8 +67,10 @@ class Backend:
         owner.bucket_bytes = self.bucket_bytes  # stages 1-2 gather after the update in the same buckets
         region = _Region(self, owner, f"region{next(self._regions)}", example_inputs)
         partition = {"partition_fn": partition_recomputing_param_views(region.sharded)} if region.sharded else {}
-        return aot_autograd(fw_compiler=region.compile_forward, bw_compiler=region.compile_backward,
-                            **partition)(gm, example_inputs)
+        # AOTAutograd traces the region here, running its code: under mixed precision, norms see their statistics
+        with NormsWithStatistics() if owner.config.mixed_precision else contextlib.nullcontext():
+            return aot_autograd(fw_compiler=region.compile_forward, bw_compiler=region.compile_backward,
+                                **partition)(gm, example_inputs)
 
     def compile_graph(self, owner: Prepared, name: str, gm: fx.GraphModule, artifacts: dict) -> fx.GraphModule:
         """``gm`` through the stage's passes; ``artifacts``: what an earlier graph of the region planned (forward's
