@@ -118,6 +118,10 @@ def _why_not(node: fx.Node, spans: list[Lifetime], end_of_step: int, grads_stay:
     elif torch.Tag.generated in variant[0].tags:
         # torch made this out= variant from the functional op: it allocates the result as the op would, then copies
         return f"an out= variant that allocates and copies ({node.target.overloadpacket.__name__})"
+    elif _mixes_floating_dtypes(node):
+        # the fake kernels that gave the outputs' dtypes are not always the real ones' there (batch norm on a
+        # bf16 input with fp32 weights: fp32 statistics, bf16 in the fake kernel), and an out= kernel checks them
+        return f"arguments of several floating dtypes ({node.target.overloadpacket.__name__})"
     if not all(v.is_contiguous() and v.storage_offset() == 0
                and v.untyped_storage().nbytes() == v.numel() * v.element_size() for v in vals):
         return "strided output"
@@ -154,6 +158,14 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
 def _outputs(node: fx.Node) -> list:
     val = node.meta["val"]
     return [val] if isinstance(val, torch.Tensor) else list(val)
+
+
+def _mixes_floating_dtypes(node: fx.Node) -> bool:
+    """Whether ``node``'s tensor arguments that are not scalars come in more than one floating dtype."""
+    dtypes = {a.meta["val"].dtype for a in node.all_input_nodes
+              if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() > 0
+              and a.meta["val"].is_floating_point()}
+    return len(dtypes) > 1
 
 
 def _copies_on_one_device(node: fx.Node) -> bool:

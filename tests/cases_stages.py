@@ -7,8 +7,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
 from zerofx.memory.lifetimes import lifetimes, live_bytes
-from models import (TINY_GPT, accumulating_train_step, bn_and_sgd, bn_batch, clipped_train_step, gpt_and_adamw,
-                    token_batch, train_beside, train_step)
+from models import (TINY_GPT, accumulating_train_step, bn_and_sgd, bn_batch, clipped_train_step, conv_bn_and_sgd,
+                    gpt_and_adamw, image_batch, token_batch, train_beside, train_step)
 from nanogpt import GPTConfig
 from peers.measure import CollectiveSizes
 
@@ -314,8 +314,11 @@ def _autocast_step(dtype: torch.dtype, scaler):
     return step
 
 
-def batchnorm_against_ddp(rank, world_size, stage, precision, steps=10):
-    """A BatchNorm model with SGD momentum at ``stage`` beside DDP: in fp32 the same loop; with ``precision`` bf16 or
+BATCHNORM_MODELS = {"linear": (bn_and_sgd, bn_batch), "conv": (conv_bn_and_sgd, image_batch)}
+
+
+def batchnorm_against_ddp(rank, world_size, stage, precision, model="linear", steps=10):
+    """A BatchNorm ``model`` with SGD momentum at ``stage`` beside DDP: in fp32 the same loop; with ``precision`` bf16 or
     fp16, zerofx's MixedPrecision beside DDP under autocast (and GradScaler for fp16, both from scale 2^10). The
     losses of both, and the largest differences of parameters and of running statistics after the steps (both
     data-parallel rank 0's, which each forward broadcasts), with the statistics' dtype."""
@@ -323,11 +326,11 @@ def batchnorm_against_ddp(rank, world_size, stage, precision, steps=10):
     scaling = zerofx.LossScaling(2.0**10) if dtype == torch.float16 else None
     mixed = dtype and zerofx.MixedPrecision(dtype, loss_scaling=scaling)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaling else None
-    ref_model, ref_opt = bn_and_sgd()
-    model, opt = bn_and_sgd()
+    make, batch = BATCHNORM_MODELS[model]
+    (ref_model, ref_opt), (model, opt) = make(), make()
     step = zerofx.compile(train_step, stage=stage, mixed_precision=mixed)
     ref_step = train_step if dtype is None else _autocast_step(dtype, scaler)
-    ref_losses, losses = train_beside(ref_step, step, (DDP(ref_model), ref_opt), (model, opt), bn_batch, rank, steps)
+    ref_losses, losses = train_beside(ref_step, step, (DDP(ref_model), ref_opt), (model, opt), batch, rank, steps)
     full, ref = zerofx.full_state_dict(step)["model"], ref_model.state_dict()
     buffers = [name for name, _ in ref_model.named_buffers() if ref[name].is_floating_point()]
     return {"losses": (losses, ref_losses),

@@ -44,6 +44,31 @@ def bn_batch(step: int, rank: int, batch: int = 8):
     return torch.randn(batch, 8, generator=g) * (1 + rank), torch.randint(0, 3, (batch,), generator=g)
 
 
+class ConvBNNet(nn.Module):
+    """An image classifier with BatchNorm2d and GroupNorm, as a small ResNet stem."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.down, self.gn = nn.Conv2d(8, 8, 3, stride=2), nn.GroupNorm(2, 8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        h = self.gn(self.down(F.relu(self.bn(self.conv(x)))))
+        return F.cross_entropy(self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1)), y)
+
+
+def conv_bn_and_sgd(seed: int = 0):
+    torch.manual_seed(seed)
+    model = ConvBNNet()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
+def image_batch(step: int, rank: int, batch: int = 6):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(batch, 3, 8, 8, generator=g) * (1 + rank), torch.randint(0, 3, (batch,), generator=g)
+
+
 def mlp_and_adamw():
     """A small regression model, for a batch of floats."""
     torch.manual_seed(0)
