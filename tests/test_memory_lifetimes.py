@@ -1,10 +1,14 @@
 """Lifetimes of a step graph's buffers (`zerofx.memory.lifetimes`) and the planned arena `stats()` reports."""
 
+import operator
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import cases_memory_plan as cases
+import zerofx
+from models import train_step
 from zerofx.memory.lifetimes import lifetimes, peak_live
 
 
@@ -30,6 +34,59 @@ def test_a_buffer_lives_until_the_last_reader_of_any_view_or_in_place_result():
     assert spans[z.name].end == len(nodes)  # returned: alive to the end
     assert "view" not in spans and "add_" not in spans  # aliases are not buffers of their own
     assert peak_live(list(spans.values()))[0] == 3 * 64 + 2 * 4  # x, y, t and the first two sums
+
+
+def test_the_pieces_of_an_unsafe_split_keep_their_buffer_alive():
+    """``unsafe_split`` (how nn.GRU's and nn.LSTM's decomposed cells split their gates) returns views its schema does
+    not name: the split buffer lives until its last piece is read, and the pieces are not buffers of their own."""
+    def f(x):
+        gates = x * 2
+        first, second = torch.ops.aten.unsafe_split.Tensor(gates, 2)
+        other = x + 1  # made after the split, while the second piece is still to be read
+        return (first.sum() + other.sum()) * second.sum()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.ones(4, 4))
+    nodes = list(gm.graph.nodes)
+    position = {n.name: i for i, n in enumerate(nodes)}
+    spans = {s.name: s for s in lifetimes(gm.graph)}
+    second = next(n for n in nodes if n.target is operator.getitem and n.args[1] == 1)
+    assert spans["mul"].end == max(position[u.name] for u in second.users) + 1
+    assert spans["mul"].end > spans["add"].start  # so the plan cannot put `other` where the gates are
+    assert not any(name.startswith(("unsafe_split", "getitem")) for name in spans)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_planned_gru_trains_and_evaluates_as_eager(stage):
+    """A GRU evaluated under ``no_grad`` runs its decomposed cell, whose gates are unsafe_split views: planned, its
+    losses are eager's, training and evaluating."""
+    def step_fn(model, optimizer, x, y):
+        if not model.training:
+            with torch.no_grad():
+                return model(x, y)
+        return train_step(model, optimizer, x, y)
+
+    def make():
+        torch.manual_seed(0)
+        model = _Recurrent()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    (model, opt), (ref_model, ref_opt) = make(), make()
+    step = zerofx.compile(step_fn, stage=stage, memory_plan=True)
+    for i, training in enumerate([True, True, False, True, False]):
+        model.train(training), ref_model.train(training)
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randint(0, 50, (6, 7), generator=g), torch.randint(0, 5, (6,), generator=g)
+        torch.testing.assert_close(step(model, opt, x, y), step_fn(ref_model, ref_opt, x, y).detach(), rtol=0, atol=0)
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.rnn, self.head = torch.nn.Embedding(50, 16), torch.nn.GRU(16, 16, batch_first=True), \
+            torch.nn.Linear(16, 5)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.head(self.rnn(self.embedding(x))[0][:, -1]), y)
 
 
 def test_memory_plan_is_bitwise_and_the_lifetimes_predict_the_measured_peak(ranks2):

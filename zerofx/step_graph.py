@@ -96,9 +96,12 @@ def is_mutating(node: fx.Node) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
-# ops returning a view of their first argument without an alias annotation: the functional collectives' wait (the
-# collective's output buffer it was given) and _unsafe_view (a view that autograd treats as a new tensor)
-HIDDEN_ALIASES = (torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten._unsafe_view.default)
+# ops returning views of their first argument without an alias annotation: the functional collectives' wait (the
+# collective's output buffer it was given), and _unsafe_view and the unsafe splits (views autograd treats as new
+# tensors: nn.GRU's and nn.LSTM's decomposed cells split their gates with them)
+HIDDEN_ALIASES = (torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten._unsafe_view.default,
+                  torch.ops.aten.unsafe_split.Tensor, torch.ops.aten.unsafe_split_with_sizes.default,
+                  torch.ops.aten.unsafe_chunk.default)
 
 
 def aliases_first_arg(node: fx.Node) -> bool:
