@@ -452,6 +452,20 @@ def hf_llama_against_ddp(rank, world_size, stage, steps=4):
     return sorted(zerofx.prepared(model).graphs)
 
 
+def _both_paths(make, batch, stage, mixed, rank, steps, loop=train_step):
+    """``steps`` calls of ``loop`` on a model from ``make`` through the backend (each rank's own initialisation:
+    prepare broadcasts rank 0's) and through ``zerofx.compile``, both with ``mixed``: the prepared model, the
+    compiled step, and each path's outputs."""
+    torch._dynamo.reset()
+    model, opt = zerofx.prepare(*make(seed=rank), stage=stage, mixed_precision=mixed)
+    compiled = torch.compile(model, backend=zerofx.backend(stage=stage))
+    backend = [loop(compiled, opt, *batch(i, rank)) for i in range(steps)]
+    step = zerofx.compile(loop, stage=stage, mixed_precision=mixed, recompute_pointwise=False)
+    whole_model, whole_opt = make()
+    whole = [step(whole_model, whole_opt, *batch(i, rank)) for i in range(steps)]
+    return model, step, backend, whole
+
+
 def bf16_against_whole_step(rank, world_size, runs, steps=4):
     """For each (stage, reduce_dtype name or None) of ``runs``, ``steps`` steps of the test GPT through the backend
     and through ``zerofx.compile``, both with ``MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype)`` (built
@@ -461,13 +475,8 @@ def bf16_against_whole_step(rank, world_size, runs, steps=4):
     results = {}
     for stage, reduce_dtype in runs:
         mixed = zerofx.MixedPrecision(torch.bfloat16, reduce_dtype and getattr(torch, reduce_dtype))
-        torch._dynamo.reset()
-        model, opt = zerofx.prepare(*gpt_and_adamw(seed=rank), stage=stage, mixed_precision=mixed)
-        compiled = torch.compile(model, backend=zerofx.backend(stage=stage))
-        backend_losses = [train_step(compiled, opt, *token_batch(i, rank)).item() for i in range(steps)]
-        step = zerofx.compile(train_step, stage=stage, mixed_precision=mixed, recompute_pointwise=False)
-        whole_model, whole_opt = gpt_and_adamw()
-        step_losses = [step(whole_model, whole_opt, *token_batch(i, rank)).item() for i in range(steps)]
+        model, step, backend, whole = _both_paths(gpt_and_adamw, token_batch, stage, mixed, rank, steps)
+        backend_losses, step_losses = [loss.item() for loss in backend], [loss.item() for loss in whole]
         ours, theirs = zerofx.full_state_dict(zerofx.prepared(model)), zerofx.full_state_dict(step)
         backend_stats, step_stats = zerofx.prepared(model).stats(), step.stats()
         initial = dict(gpt_and_adamw()[0].named_parameters(remove_duplicate=False))
@@ -507,14 +516,9 @@ def bf16_clipped_against_whole_step(rank, world_size, stages, steps=3):
     losses and total norms of both paths, and the largest difference between their final fp32 master parameters."""
     results = {}
     for stage in stages:
-        mixed = zerofx.MixedPrecision(torch.bfloat16)
-        torch._dynamo.reset()
-        model, opt = zerofx.prepare(*gpt_and_adamw(seed=rank), stage=stage, mixed_precision=mixed)
-        compiled = torch.compile(model, backend=zerofx.backend(stage=stage))
-        backend = [_clipped_returning_norm(compiled, opt, *token_batch(i, rank)) for i in range(steps)]
-        step = zerofx.compile(_clipped_returning_norm, stage=stage, mixed_precision=mixed, recompute_pointwise=False)
-        whole_model, whole_opt = gpt_and_adamw()
-        whole = [step(whole_model, whole_opt, *token_batch(i, rank)) for i in range(steps)]
+        model, step, backend, whole = _both_paths(gpt_and_adamw, token_batch, stage,
+                                                  zerofx.MixedPrecision(torch.bfloat16), rank, steps,
+                                                  loop=_clipped_returning_norm)
         ours, theirs = zerofx.full_state_dict(zerofx.prepared(model)), zerofx.full_state_dict(step)
         results[stage] = {
             "losses": ([loss.item() for loss, _ in backend], [loss.item() for loss, _ in whole]),
@@ -530,16 +534,10 @@ def bf16_batchnorm_against_whole_step(rank, world_size, stages, steps=4):
     buffers (running statistics) whose final values differ."""
     results = {}
     for stage in stages:
-        mixed = zerofx.MixedPrecision(torch.bfloat16)
-        torch._dynamo.reset()
-        model, opt = zerofx.prepare(*bn_and_sgd(), stage=stage, mixed_precision=mixed)
-        compiled = torch.compile(model, backend=zerofx.backend(stage=stage))
-        backend_losses = [train_step(compiled, opt, *bn_batch(i, rank)).item() for i in range(steps)]
-        step = zerofx.compile(train_step, stage=stage, mixed_precision=mixed, recompute_pointwise=False)
-        whole_model, whole_opt = bn_and_sgd()
-        step_losses = [step(whole_model, whole_opt, *bn_batch(i, rank)).item() for i in range(steps)]
+        model, step, backend, whole = _both_paths(bn_and_sgd, bn_batch, stage, zerofx.MixedPrecision(torch.bfloat16),
+                                                  rank, steps)
         ours, theirs = zerofx.full_state_dict(zerofx.prepared(model)), zerofx.full_state_dict(step)
-        results[stage] = {"losses": (backend_losses, step_losses),
+        results[stage] = {"losses": ([loss.item() for loss in backend], [loss.item() for loss in whole]),
                           "different": _different(ours["model"], theirs["model"])}
     return results
 
