@@ -33,10 +33,14 @@ class BNNet(nn.Module):
         return F.cross_entropy(self.fc2(F.relu(self.bn(self.fc1(x)))), y)
 
 
-def bn_and_sgd(seed: int = 0):
+def _seeded_with_sgd(module_class, seed: int):
     torch.manual_seed(seed)
-    model = BNNet()
+    model = module_class()
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
+def bn_and_sgd(seed: int = 0):
+    return _seeded_with_sgd(BNNet, seed)
 
 
 def bn_batch(step: int, rank: int, batch: int = 8):
@@ -59,9 +63,7 @@ class ConvBNNet(nn.Module):
 
 
 def conv_bn_and_sgd(seed: int = 0):
-    torch.manual_seed(seed)
-    model = ConvBNNet()
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    return _seeded_with_sgd(ConvBNNet, seed)
 
 
 def image_batch(step: int, rank: int, batch: int = 6):
