@@ -9,7 +9,7 @@ from zerofx import collectives
 from zerofx.mixed_precision import FOUND_INF
 from zerofx.passes.context import PassContext
 from zerofx.passes.flat_collectives import wait_for
-from zerofx.passes.graph_edit import add_call
+from zerofx.passes.graph_edit import INSERTED, add_call
 from zerofx.step_graph import Role, is_mutating, storage_root, tag
 
 aten = torch.ops.aten
@@ -54,6 +54,10 @@ def skip_nonfinite_update(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
                 value = add_call(graph, functional, node.args, like=node, kwargs=dict(node.kwargs))
             kept = add_call(graph, aten.where.self, (skip, target, value), like=node)
             written = add_call(graph, aten.copy_.default, (target, kept), like=node)
+        for update_op in (value, kept, written):
+            # the update's own arithmetic in another form: later passes check it and size it on shards as they
+            # do the rest of the update, not as a pass's node whose metadata is final
+            update_op.meta.pop(INSERTED, None)
         written.meta["zerofx"].slots = tag(node).slots
         node.replace_all_uses_with(written)
         graph.erase_node(node)

@@ -77,23 +77,29 @@ def zero_grad_anywhere(rank, world_size, stage, memory_plan=None, steps=5):
 
 # --- a short last batch, an eval step, a weight-decay change -------------------------------------------------------
 
-def _fsdp2_gpt(param_dtype):
+def _adamw(model):
+    return torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=3e-3)
+
+
+def _fsdp2_gpt(param_dtype, optimizer=_adamw):
     torch.manual_seed(0)
     model = gpt_and_adamw()[0]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    return model, torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=3e-3)
+    return model, optimizer(model)
 
 
-def _reference(precision):
-    """The eager referee and how it takes a step: DDP in fp32, FSDP2 in bf16, FSDP2 + GradScaler in float16."""
+def reference(precision, optimizer=_adamw):
+    """The eager referee and how it takes a step: DDP in fp32, FSDP2 in bf16, FSDP2 + GradScaler in float16.
+    ``optimizer`` makes the optimizer from the model."""
     if precision == "fp32":
-        model, opt = gpt_and_adamw()
+        model = gpt_and_adamw()[0]
+        opt = optimizer(model)
         ddp = DDP(model)
         return model, opt, lambda x, y: train_step(ddp, opt, x, y)
-    model, opt = _fsdp2_gpt(PRECISIONS[precision])
+    model, opt = _fsdp2_gpt(PRECISIONS[precision], optimizer)
     if precision == "bf16":
         return model, opt, lambda x, y: train_step(model, opt, x, y)
     scaler = torch.amp.GradScaler("cpu")
@@ -110,7 +116,7 @@ def _reference(precision):
 
 def changes_between_steps(rank, world_size, stage, precision):
     """Steps 0-1 as usual, then a short last batch, one step in eval mode, back to train, a weight-decay change."""
-    ref_model, ref_opt, ref_step = _reference(precision)
+    ref_model, ref_opt, ref_step = reference(precision)
     model, opt = gpt_and_adamw()
     mixed = zerofx.MixedPrecision(PRECISIONS[precision]) if PRECISIONS[precision] else None
     step = zerofx.compile(train_step, stage=stage, bucket_bytes=8 * 1024, mixed_precision=mixed)
@@ -150,7 +156,7 @@ def _train_or_evaluate(model, optimizer, x, y):
 def evaluate_between_steps(rank, world_size, stage, precision):
     """An evaluation through the step before any training (it takes nothing yet), two steps, an evaluation (its
     graph reads the parameters the step owns by then), a step, an evaluation, against the referee in eval mode."""
-    ref_model, ref_opt, ref_step = _reference(precision)
+    ref_model, ref_opt, ref_step = reference(precision)
     model, opt = gpt_and_adamw()
     mixed = zerofx.MixedPrecision(PRECISIONS[precision]) if PRECISIONS[precision] else None
     step = zerofx.compile(_train_or_evaluate, stage=stage, bucket_bytes=8 * 1024, mixed_precision=mixed)

@@ -156,7 +156,8 @@ def test_a_per_parameter_norm_in_the_optimizer_is_refused_at_stage_1(monkeypatch
     from zerofx import optim_support
 
     monkeypatch.setitem(optim_support.SPECS, _NormScaledSGD,
-                        optim_support.OptimizerSpec(tensor_hyperparams=(("lr", None),), init_state=lambda g, p: {}))
+                        optim_support.OptimizerSpec(tensor_hyperparams=(("lr", None),),
+                                                    per_element_state=lambda group: ()))
     model, _ = gpt_and_adamw()
     opt = _NormScaledSGD(model.parameters())
     with pytest.raises(zerofx.CaptureError, match="at stage 1 and is not elementwise"):

@@ -16,6 +16,7 @@ graph as it grows when a module's forward, ``torch.autograd.backward`` and the o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -177,6 +178,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     recorder.tag_rest(gm.graph)
     for node, slot in recorder.grad_nodes:
         node.meta[TAG].slots.append(slot)
+    _out_arguments_as_copies(gm.graph)
     _tag_placeholders(gm.graph, slots)
     _check_param_mutations(gm.graph)
     slots = _drop_unread_grads(gm.graph, slots)
@@ -292,6 +294,44 @@ def _drop_unread_grads(graph: fx.Graph, slots: list[Slot]) -> list[Slot]:
         else:
             kept.append(slot)
     return kept
+
+
+def _out_arguments_as_copies(graph: fx.Graph) -> None:
+    """An op writing its result into an ``out=`` argument (Adamax's ``torch.maximum(a, b, out=exp_inf)``) becomes the
+    functional op and ``copy_(out, result)``: the passes follow a write through an op's first argument, as for
+    ``add_`` (float16's skipped steps keep the old value of what a step writes; sharding sees the write's target)."""
+    for node in list(graph.nodes):
+        functional = _functional_of(node.target) if node.op == "call_function" else None
+        if functional is None:
+            continue
+        out = node.kwargs["out"]
+        with graph.inserting_before(node):
+            result = graph.call_function(functional, node.args, {k: v for k, v in node.kwargs.items() if k != "out"})
+            written = graph.call_function(torch.ops.aten.copy_.default, (out, result))
+        result.meta.update(node.meta, **{TAG: dataclasses.replace(node.meta[TAG], slots=[])})
+        with node.meta["val"].fake_mode:
+            result.meta["val"] = torch.empty_like(node.meta["val"])
+        written.meta.update(node.meta)
+        node.replace_all_uses_with(written)
+        graph.erase_node(node)
+
+
+def _functional_of(op) -> torch._ops.OpOverload | None:
+    """For an ATen op with one ``out=`` argument, its overload that takes the other arguments and returns a new
+    tensor (``maximum.out`` -> ``maximum.default``); None for any other op."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not isinstance(op, torch._ops.OpOverload):
+        return None
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if [(a.name, a.kwarg_only) for a in written] != [("out", True)]:
+        return None
+    inputs = [(a.name, str(a.type)) for a in schema.arguments if a.name != "out"]
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)._schema
+        if [(a.name, str(a.type)) for a in candidate.arguments] == inputs and not candidate.is_mutable:
+            return getattr(packet, name)
+    return None
 
 
 def _hyperparams_as_floats(graph: fx.Graph) -> None:

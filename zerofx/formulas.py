@@ -58,9 +58,9 @@ def formula(stage: int, *, b_param: int = 4, b_grad: int = 4, k_optimizer: int =
 
 
 def optimizer_bytes_per_param(optimizer) -> int:
-    """K for fp32 state: bytes of optimizer state per parameter element (Adam 8, SGD with momentum 4)."""
-    import torch
+    """K for fp32 state: bytes of optimizer state per parameter element (Adam 8, SGD with momentum 4), the most of
+    any of its groups."""
+    from zerofx import optim_support
 
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return 12 if any(g.get("amsgrad") for g in optimizer.param_groups) else 8
-    return 4 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+    spec = optim_support.spec_for(optimizer)
+    return max((spec.state_bytes_per_element(group) for group in optimizer.param_groups), default=0)

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-
-SCALAR_STATE = {"step"}  # torch.optim's per-parameter counters
+from zerofx import optim_support
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,8 @@ class ParamLayout:
 
     def shards(self, state_key: str | None, shape: tuple[int, ...]) -> bool:
         """Whether optimizer state ``state_key`` of this shape is per element (sharded with the parameter) rather
-        than per parameter. By shape, except Adam's step counter, which a 0-dim parameter's shape matches."""
-        return tuple(shape) == self.shape and state_key not in SCALAR_STATE
+        than per parameter. By shape, except the counters (Adam's step), which a 0-dim parameter's shape matches."""
+        return tuple(shape) == self.shape and state_key not in optim_support.SCALAR_STATE
 
 
 def gather_full(layout: ParamLayout, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
