@@ -34,3 +34,33 @@ def one_cycle_sgd_matches_ddp(rank, world_size, stage, steps=10):
         torch.testing.assert_close(full["optimizer"]["state"][names[id(p)]], state, rtol=1e-5, atol=1e-7,
                                    msg=names[id(p)])
     return {"traces": step.stats().traces, "momentum": opt.param_groups[0]["momentum"]}
+
+
+def _gpt_adam_with_tensors():
+    """Adam with lr and betas given as tensors (as torch.compile users give them), lr under a warm-up schedule, which
+    fills the tensor in place; weight decay as a tensor too, compared with zero by torch.optim."""
+    model, _ = gpt_and_adamw()
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(3e-3), betas=(torch.tensor(0.9), torch.tensor(0.99)),
+                           weight_decay=torch.tensor(1e-2))
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 4))
+
+
+def tensor_hyperparameters_match_ddp(rank, world_size, stage, steps=6):
+    """Bitwise: torch.optim computes the step size in the tensor's float32, and so must the graph."""
+    ref_model, ref_opt, ref_scheduler = _gpt_adam_with_tensors()
+    ddp = DDP(ref_model)
+    model, opt, scheduler = _gpt_adam_with_tensors()
+    step = zerofx.compile(train_step, stage=stage, bucket_bytes=8 * 1024)
+    for i in range(steps):
+        x, y = token_batch(i, rank)
+        assert step(model, opt, x, y).item() == train_step(ddp, ref_opt, x, y).item(), i
+        ref_scheduler.step()
+        scheduler.step()
+    full = zerofx.full_state_dict(step)
+    names = {id(p): n for n, p in ref_model.named_parameters()}
+    for name, value in ref_model.state_dict().items():
+        assert torch.equal(full["model"][name], value), name
+    for p, state in ref_opt.state.items():
+        for key, value in state.items():
+            assert torch.equal(full["optimizer"]["state"][names[id(p)]][key], value), (names[id(p)], key)
+    return {"traces": step.stats().traces, "lr": opt.param_groups[0]["lr"]}

@@ -151,6 +151,26 @@ def test_one_cycle_lr_with_sgd_matches_ddp_on_two_ranks(ranks2, stage):
     assert all(r["traces"] == 1 for r in results) and results[0]["momentum"] != 0.9
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_hyperparameters_given_as_tensors_train_bitwise_as_ddp(ranks2, stage):
+    result = ranks2.run(cases.tensor_hyperparameters_match_ddp, stage=stage)[0]
+    assert result["traces"] == 1  # the schedule fills the lr tensor in place: the graph reads it at every call
+    assert isinstance(result["lr"], torch.Tensor) and result["lr"].item() == pytest.approx(3e-3)
+
+
+def test_an_lr_changing_between_tensor_and_number_retraces_once_each_way(caplog):
+    def adam_with_tensor_lr():
+        model, _ = gpt_and_adamw()
+        return model, torch.optim.Adam(model.parameters(), lr=torch.tensor(3e-3))
+
+    lrs = [torch.tensor(2e-3), 1e-3, 5e-4, torch.tensor(1e-3), torch.tensor(4e-4), 0.0]
+    with caplog.at_level(logging.WARNING, logger="zerofx"):
+        eager, compiled = train_eager_and_compiled(adam_with_tensor_lr, token_batch, set_each_step("lr", lrs), steps=6)
+    assert_bitwise_equal(eager, compiled)
+    assert compiled[3].stats().traces == 2  # a new tensor or a new number is read by the graph made for its kind
+    assert "<input: torch.float32 tensor on cpu>" in retrace_messages(caplog)[0]
+
+
 def _scheduler_inside(model, optimizer, scheduler, x, y):
     loss = train_step(model, optimizer, x, y)
     scheduler.step()

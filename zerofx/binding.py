@@ -210,13 +210,19 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
         elif s.role == Role.OPT_STATE:
             values.append(by_fqn[(s.optimizer, s.fqn)][s.key])
         elif s.role == Role.HYPERPARAM:
-            group = optimizers[s.optimizer].param_groups[s.group]
-            value = optim_support.read_hyperparam(group, _parse_hyperparam(s.key))
-            # traced from a tensor (make_fx lifts tensors, not floats); the graph then takes the float itself
-            values.append(torch.tensor(value, dtype=torch.float64) if for_trace else value)
+            values.append(_hyperparam_value(optimizers[s.optimizer], s, for_trace))
         elif s.role == Role.BATCH:
             values.append(next(batch_iter))
     return [local(v) for v in values]
+
+
+def _hyperparam_value(opt: torch.optim.Optimizer, slot: Slot, for_trace: bool):
+    group, key = opt.param_groups[slot.group], _parse_hyperparam(slot.key)
+    if optim_support.traced_as_tensor(optim_support.spec_for(opt), group, key):
+        return optim_support.raw_hyperparam(group, key)  # read at every call: a scheduler fills it in place
+    value = optim_support.read_hyperparam(group, key)
+    # traced from a tensor (make_fx lifts tensors, not floats); the graph then takes the float itself
+    return torch.tensor(value, dtype=torch.float64) if for_trace else value
 
 
 def _parse_hyperparam(name: str) -> optim_support.HyperparamKey:

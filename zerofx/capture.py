@@ -335,9 +335,11 @@ def _functional_of(op) -> torch._ops.OpOverload | None:
 
 
 def _hyperparams_as_floats(graph: fx.Graph) -> None:
-    """Each hyperparameter was traced as a 0-dim tensor read once with .item(): make the graph input the float."""
+    """Each hyperparameter given as a number was traced as a 0-dim tensor read once with .item(): make the graph
+    input the float. (One given as a tensor is read as a tensor.)"""
     for node in graph.nodes:
-        if node.op == "placeholder" and node.meta[TAG].has(Role.HYPERPARAM):
+        if node.op == "placeholder" and node.meta[TAG].has(Role.HYPERPARAM) and all(
+                reader.target is torch.ops.aten._local_scalar_dense.default for reader in node.users):
             for reader in list(node.users):
                 if reader.target is torch.ops.aten._local_scalar_dense.default:
                     node.meta["val"] = reader.meta["val"]

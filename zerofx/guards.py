@@ -96,11 +96,13 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
                 if name == "params":
                     guarded.append((name, tuple(fqn_of[id(p)] for p in value)))
                 elif isinstance(value, tuple):
-                    guarded.append((name, tuple("<input>" if f"{name}[{i}]" in inputs else v
+                    guarded.append((name, tuple(_input_kind(v) if f"{name}[{i}]" in inputs else v
                                                 for i, v in enumerate(value))))
                 elif name in zero_tested:
                     guarded.append((name, optim_support.zero_side(value)))
-                elif name not in inputs:
+                elif name in inputs:
+                    guarded.append((name, _input_kind(value)))
+                else:
                     guarded.append((name, repr(value)))
             groups.append(tuple(guarded))
         key[f"optimizer{oi}"] = (type(opt).__name__, tuple(groups))
@@ -111,6 +113,11 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
     if reads_incoming_grads:
         key["grads"] = tuple(present_grads(binding))
     return key
+
+
+def _input_kind(value) -> str:
+    """What the key holds for a hyperparameter the graph takes as an input: a number, or a tensor of a dtype."""
+    return f"<input: {value.dtype} tensor on {value.device.type}>" if isinstance(value, torch.Tensor) else "<input>"
 
 
 def owned_parts(key: dict[str, tuple]) -> dict[str, tuple]:

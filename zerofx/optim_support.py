@@ -136,10 +136,20 @@ def init_lazy_state(optimizer: torch.optim.Optimizer) -> None:
                     optimizer.state[p] = fresh
 
 
-def read_hyperparam(group: dict, key: HyperparamKey) -> float:
+def raw_hyperparam(group: dict, key: HyperparamKey):
     name, index = key
-    value = group[name] if index is None else group[name][index]
-    return float(value)
+    return group[name] if index is None else group[name][index]
+
+
+def read_hyperparam(group: dict, key: HyperparamKey) -> float:
+    return float(raw_hyperparam(group, key))
+
+
+def traced_as_tensor(spec: OptimizerSpec, group: dict, key: HyperparamKey) -> bool:
+    """Whether the hyperparameter enters the graph as the tensor the user gave (``lr=torch.tensor(1e-3)``):
+    torch.optim then computes with it in its dtype, as it does eagerly. A number, or a tensor compared with zero
+    (the key holds its sign), enters as a number."""
+    return isinstance(raw_hyperparam(group, key), torch.Tensor) and key not in spec.zero_tested
 
 
 def write_hyperparam(group: dict, key: HyperparamKey, value) -> None:

@@ -189,8 +189,10 @@ def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes:
                 new_state[sp] = {k: fake_state.get((fqn_of[id(p)], k), v) for k, v in saved_state[p].items()}
         group["params"] = outside[-1]
         for hkey in spec.tensor_hyperparams:
-            # .item() in the graph: the optimizer computes with a Python float, in double, exactly as eager does
-            value = hyper[(gi, optim_support.hyperparam_name(hkey))].item()
+            value = hyper[(gi, optim_support.hyperparam_name(hkey))]
+            if not optim_support.traced_as_tensor(spec, group, hkey):
+                # .item() in the graph: the optimizer computes with a Python float, in double, exactly as eager does
+                value = value.item()
             if hkey in spec.zero_tested:
                 optim_support.assume_zero_side(value, optim_support.read_hyperparam(group, hkey))
             optim_support.write_hyperparam(group, hkey, value)
