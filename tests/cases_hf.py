@@ -3,10 +3,11 @@ zero_grad after the update, an LR scheduler, an evaluation step between training
 test_hf_models.py calls these on every rank of a gloo pool."""
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
-from cases_loops import assert_matches_ddp
+from cases_loops import PRECISIONS, assert_matches_ddp
 
 VOCAB = 64
 
@@ -20,6 +21,11 @@ def _model(arch: str):
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                           tie_word_embeddings=True)
         model = transformers.LlamaForCausalLM(config)
+    elif arch == "mixtral":  # Mixture of Experts: the experts run as torch._grouped_mm
+        config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                            num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
     else:  # GPT-2 with its dropouts on
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
                                          resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
@@ -62,3 +68,30 @@ def hf_loop_against_ddp(rank, world_size, stage, arch, steps=6):
         ref_sched.step()
     assert_matches_ddp(step, ref_model, ref_opt, atol=1e-6)
     return {"traces": step.stats().traces}
+
+
+def hf_mixed_precision_against_fsdp2(rank, world_size, stage, arch, precision, steps=4):
+    """bf16, or float16 with loss scaling (FSDP2 beside it with GradScaler), against FSDP2 with the same policy on
+    each decoder layer."""
+    ref_model = _model(arch)
+    policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision])
+    for layer in ref_model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(ref_model, mp_policy=policy)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.01)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    model = _model(arch)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    step = zerofx.compile(_hf_step, stage=stage, mixed_precision=zerofx.MixedPrecision(PRECISIONS[precision]))
+    losses, ref_losses = [], []
+    for i in range(steps):
+        batch = _batch(i, rank)
+        losses.append(step(model, opt, batch).item())
+        ref_loss = ref_model(input_ids=batch, labels=batch).loss
+        scaler.scale(ref_loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-2, atol=0)
+    return losses

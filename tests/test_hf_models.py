@@ -1,12 +1,20 @@
-"""Hugging Face Llama and GPT-2 (dropout on) at every stage, in the HF Trainer's loop style, against DDP."""
+"""Hugging Face Llama, GPT-2 (dropout on) and Mixtral (Mixture of Experts) at every stage, in the HF Trainer's loop
+style, against DDP; Mixtral under mixed precision against FSDP2."""
 
 import pytest
 
 import cases_hf as cases
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_hf_model_in_the_trainers_loop_matches_ddp(ranks2, stage, arch):
     result = ranks2.run(cases.hf_loop_against_ddp, stage=stage, arch=arch)[0]
     assert result["traces"] == 3  # training, one evaluation-mode step, the short last batch
+
+
+# each precision at two stages, not every pair: the suite stays short
+@pytest.mark.parametrize("stage, precision", [(1, "bf16"), (3, "bf16"), (0, "fp16"), (2, "fp16")])
+def test_mixtral_in_mixed_precision_matches_fsdp2(ranks2, stage, precision):
+    """Its experts' torch._grouped_mm traces in float32 masters' float16 compute too, as the CPU kernel computes."""
+    ranks2.run(cases.hf_mixed_precision_against_fsdp2, stage=stage, arch="mixtral", precision=precision)

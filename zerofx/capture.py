@@ -33,6 +33,7 @@ from torch.nn.utils import stateless
 from zerofx import guards, optim_support
 from zerofx.binding import StepBinding, input_slots, input_values
 from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
+from zerofx.fake_kernels import cpu_dtypes_for_grouped_mm
 from zerofx.mesh import DTensorSpecs, local, rebuild
 from zerofx.rng import traced_rng_state
 from zerofx.mixed_precision import (MixedPrecision, MixedPrecisionTrace, NormsWithStatistics, cast_floating_inputs,
@@ -155,7 +156,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     # make_fx keeps source lines of frames named "forward" only; the train step's own lines matter as much
     torch.fx.proxy._register_stack_trace_anchor(train_step)
     try:
-        with traced_rng_state():  # torch.utils.checkpoint's saved generator state: ops in the graph
+        # torch.utils.checkpoint's saved generator state: ops in the graph
+        with traced_rng_state(), cpu_dtypes_for_grouped_mm():
             gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(*real_inputs)
     except (GuardOnDataDependentSymNode, DataDependentOutputException) as e:
         source = user_frame(e.__traceback__)
