@@ -42,8 +42,14 @@ PRECISIONS = {"fp32": None, "bf16": zerofx.MixedPrecision(torch.bfloat16),
               "fp16": zerofx.MixedPrecision(torch.float16, loss_scaling=LossScaling(2.0**10, growth_interval=4))}
 
 
+def _gpt_and_nadam(seed: int = 0):
+    model, _ = gpt_and_adamw(seed)
+    return model, torch.optim.NAdam(model.parameters(), lr=3e-3, weight_decay=0.01)
+
+
 MODELS = {"gpt": (gpt_and_adamw, token_batch),
-          "batchnorm": (bn_and_sgd, bn_batch)}  # running statistics differ by rank: rank 0's go on training
+          "batchnorm": (bn_and_sgd, bn_batch),  # running statistics differ by rank: rank 0's go on training
+          "nadam": (_gpt_and_nadam, token_batch)}  # a second per-parameter counter, mu_product, beside step
 
 
 def resume_is_bitwise(rank, world_size, stage, checkpoint_dir, port, precision="fp32", model="gpt"):

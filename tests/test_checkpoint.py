@@ -36,6 +36,12 @@ def test_resume_with_batchnorm_goes_on_from_rank_0s_running_statistics(ranks2, t
                precision=precision, model="batchnorm")
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_with_nadam_restores_both_of_its_counters(ranks2, tmp_path, stage):
+    ranks2.run(cases.resume_is_bitwise, stage=stage, checkpoint_dir=str(tmp_path / "ckpt"), port=_free_port(),
+               model="nadam")
+
+
 def test_a_full_state_dict_is_a_snapshot_buffers_included():
     """Kept as the best model so far, it does not change as training goes on: buffers are copies too."""
     model, opt = bn_and_sgd()
