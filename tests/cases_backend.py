@@ -16,6 +16,7 @@ from zerofx import collectives
 from zerofx.backend.prepared import is_prepared
 from zerofx.errors import RankMismatchError
 from cases_loops import _zero_grad_last, assert_matches_ddp
+from cases_optimizers import OPTIMIZERS
 from models import TINY_GPT, bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
 from nanogpt import GPT, param_groups
 
@@ -588,3 +589,15 @@ def bf16_checkpoint_between_paths(rank, world_size, directory, backend_stage, wh
             "losses": (losses, ref_losses),
             "different_params": _different(zerofx.full_state_dict(target)["model"], reference)}
     return out
+
+
+def each_optimizer_against_ddp(rank, world_size, stage, steps=3):
+    """The backend leaves the update to the optimizer, run eagerly on this rank's shards: each optimizer of
+    cases_optimizers against DDP, losses and full state."""
+    for make in OPTIMIZERS.values():
+        ref_model = gpt_and_adamw()[0]
+        ref_opt = make(ref_model)
+        model = gpt_and_adamw()[0]
+        compiled, opt = _compiled(model, make(model), stage)
+        _train_beside_ddp(compiled, opt, ref_model, ref_opt, train_step, rank, steps)
+        assert_matches_ddp(zerofx.prepared(compiled), ref_model, ref_opt)

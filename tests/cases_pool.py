@@ -10,3 +10,7 @@ def dies_once(rank, world_size, marker):
         open(marker, "w").close()
         os.kill(os.getpid(), signal.SIGSEGV)
     return rank
+
+
+def returns_rank(rank, world_size):
+    return rank

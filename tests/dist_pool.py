@@ -12,6 +12,7 @@ import datetime
 import importlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -45,6 +46,16 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         except BaseException:  # noqa: BLE001 - every failure goes back to the test
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _check_picklable(case, kwargs: dict) -> None:
+    """A queue pickles what it sends in a thread of its own, where a failure is only printed and the ranks go on
+    waiting for the task until the timeout: fail at once, naming the argument."""
+    for name, value in kwargs.items():
+        try:
+            pickle.dumps(value)
+        except Exception as e:  # noqa: BLE001 - pickle raises several types
+            raise TypeError(f"{case.__name__}: argument {name!r} cannot be sent to the ranks: {e}") from None
 
 
 class WorkerDied(RuntimeError):
@@ -83,6 +94,7 @@ class WorkerPool:
             return self._run_once(case, timeout, kwargs)
 
     def _run_once(self, case, timeout: float, kwargs: dict) -> list:
+        _check_picklable(case, kwargs)
         for q in self.tasks:
             q.put((case.__module__, case.__name__, kwargs))
         by_rank, failures = {}, []

@@ -18,3 +18,9 @@ def test_a_rank_killed_once_restarts_the_pool_and_a_rank_killed_twice_fails(tmp_
             pool.run(cases_pool.dies_once, marker=str(tmp_path / "died"))
     finally:
         pool.close()
+
+
+def test_an_argument_the_ranks_cannot_receive_fails_at_once_naming_it(ranks2):
+    with pytest.raises(TypeError, match="argument 'marker' cannot be sent"):
+        ranks2.run(cases_pool.dies_once, timeout=5.0, marker=lambda: "a lambda does not pickle")
+    assert ranks2.run(cases_pool.returns_rank) == [0, 1]  # the pool still serves the next case

@@ -2,6 +2,7 @@
 
 import pytest
 
+import cases_backend
 import cases_optimizers as cases
 
 # per-element state, which fixes K: fp32 bytes per trainable element (master weights add 4 under mixed precision)
@@ -20,3 +21,9 @@ def test_each_optimizer_trains_as_the_referee_under_one_cycle_lr(ranks2, stage, 
         assert figures["state"] == sorted(STATE[name] + COUNTERS.get(name, ["step"])), name
         assert figures["k"] == 4 * len(STATE[name]) + (0 if precision == "fp32" else 4), name
 
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_each_optimizer_through_the_backend_matches_ddp(ranks2, stage):
+    """Stage 1 shards the optimizer state only, stage 3 everything; the update runs eagerly on the shards."""
+    ranks2.run(cases_backend.each_optimizer_against_ddp, stage=stage)
