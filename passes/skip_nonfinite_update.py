@@ -54,7 +54,7 @@ def skip_nonfinite_update(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
                 value = add_call(graph, functional, node.args, like=node, kwargs=dict(node.kwargs))
             kept = add_call(graph, aten.where.self, (skip, target, value), like=node)
             written = add_call(graph, aten.copy_.default, (target, kept), like=node)
-        for update_op in (value, kept, written):
+        for update_op in (value, kept, written) if node.target is not aten.copy_.default else (kept, written):
             # the update's own arithmetic in another form: later passes check it and size it on shards as they
             # do the rest of the update, not as a pass's node whose metadata is final
             update_op.meta.pop(INSERTED, None)

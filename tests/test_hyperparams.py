@@ -193,3 +193,8 @@ def test_hyperparameters_set_inside_the_step_are_refused(stage):
     model, opt = gpt_and_sgd()
     with pytest.raises(zerofx.CaptureError, match="sets hyperparameter 'lr'"):
         zerofx.compile(_warmup_inside, stage=stage)(model, opt, *token_batch(0, 0), 0.01)
+    # a tensor lr is filled in place by the scheduler: the same object, a write the graph would replay
+    model, opt = gpt_and_sgd(lr=torch.tensor(0.05))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 / (i + 1))
+    with pytest.raises(zerofx.CaptureError, match="writes into hyperparameter hyperparam:lr:group0, a tensor"):
+        zerofx.compile(_scheduler_inside, stage=stage)(model, opt, scheduler, *token_batch(0, 0))

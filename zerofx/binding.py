@@ -216,9 +216,15 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
     return [local(v) for v in values]
 
 
+def hyperparam_traced_as_tensor(opt: torch.optim.Optimizer, slot: Slot) -> bool:
+    """Whether the graph takes hyperparameter ``slot`` as the user's tensor (`optim_support.traced_as_tensor`)."""
+    return optim_support.traced_as_tensor(optim_support.spec_for(opt), opt.param_groups[slot.group],
+                                          _parse_hyperparam(slot.key))
+
+
 def _hyperparam_value(opt: torch.optim.Optimizer, slot: Slot, for_trace: bool):
     group, key = opt.param_groups[slot.group], _parse_hyperparam(slot.key)
-    if optim_support.traced_as_tensor(optim_support.spec_for(opt), group, key):
+    if hyperparam_traced_as_tensor(opt, slot):
         return optim_support.raw_hyperparam(group, key)  # read at every call: a scheduler fills it in place
     value = optim_support.read_hyperparam(group, key)
     # traced from a tensor (make_fx lifts tensors, not floats); the graph then takes the float itself

@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils import stateless
 
 from zerofx import guards, optim_support
-from zerofx.binding import StepBinding, input_slots, input_values
+from zerofx.binding import StepBinding, hyperparam_traced_as_tensor, input_slots, input_values
 from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
 from zerofx.fake_kernels import cpu_dtypes_for_grouped_mm
 from zerofx.mesh import DTensorSpecs, local, rebuild
@@ -184,7 +184,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     _tag_placeholders(gm.graph, slots)
     _check_param_mutations(gm.graph)
     slots = _drop_unread_grads(gm.graph, slots)
-    _hyperparams_as_floats(gm.graph)
+    _hyperparams_as_floats(gm.graph, {s for s in slots if s.role == Role.HYPERPARAM
+                                      and hyperparam_traced_as_tensor(optimizers[s.optimizer], s)})
     kept = _tag_outputs(gm.graph, out_slots)
     # every pass ends with recompile(); a lazy module generates the Python code once, when the step first runs
     gm = _LazyGraphModule.from_graphmodule(gm)
@@ -301,31 +302,37 @@ def _drop_unread_grads(graph: fx.Graph, slots: list[Slot]) -> list[Slot]:
 def _out_arguments_as_copies(graph: fx.Graph) -> None:
     """An op writing its result into an ``out=`` argument (Adamax's ``torch.maximum(a, b, out=exp_inf)``) becomes the
     functional op and ``copy_(out, result)``: the passes follow a write through an op's first argument, as for
-    ``add_`` (float16's skipped steps keep the old value of what a step writes; sharding sees the write's target)."""
+    ``add_`` (float16's skipped steps keep the old value of what a step writes; sharding sees the write's target).
+    Only where the functional op gives what ``out`` holds, dtype and shape: an ``out`` of another dtype makes the op
+    compute in that dtype, one of another shape is resized; those stay as they are."""
     for node in list(graph.nodes):
         functional = _functional_of(node.target) if node.op == "call_function" else None
         if functional is None:
             continue
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "out"}
         out = node.kwargs["out"]
+        fake_args, fake_kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, kwargs))
+        with out.meta["val"].fake_mode:
+            value = functional(*fake_args, **fake_kwargs)
+        if (value.dtype, value.shape) != (out.meta["val"].dtype, out.meta["val"].shape):
+            continue
         with graph.inserting_before(node):
-            result = graph.call_function(functional, node.args, {k: v for k, v in node.kwargs.items() if k != "out"})
+            result = graph.call_function(functional, node.args, kwargs)
             written = graph.call_function(torch.ops.aten.copy_.default, (out, result))
-        result.meta.update(node.meta, **{TAG: dataclasses.replace(node.meta[TAG], slots=[])})
-        with node.meta["val"].fake_mode:
-            result.meta["val"] = torch.empty_like(node.meta["val"])
+        result.meta.update(node.meta, **{TAG: dataclasses.replace(node.meta[TAG], slots=[]), "val": value})
         written.meta.update(node.meta)
         node.replace_all_uses_with(written)
         graph.erase_node(node)
 
 
 def _functional_of(op) -> torch._ops.OpOverload | None:
-    """For an ATen op with one ``out=`` argument, its overload that takes the other arguments and returns a new
-    tensor (``maximum.out`` -> ``maximum.default``); None for any other op."""
+    """For an ATen op whose one written argument is a tensor ``out=``, its overload that takes the other arguments and
+    returns a new tensor (``maximum.out`` -> ``maximum.default``); None for any other op."""
     schema = getattr(op, "_schema", None)
     if schema is None or not isinstance(op, torch._ops.OpOverload):
         return None
     written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if [(a.name, a.kwarg_only) for a in written] != [("out", True)]:
+    if [(a.name, a.kwarg_only, str(a.type)) for a in written] != [("out", True, "Tensor")]:
         return None
     inputs = [(a.name, str(a.type)) for a in schema.arguments if a.name != "out"]
     packet = op.overloadpacket
@@ -336,17 +343,32 @@ def _functional_of(op) -> torch._ops.OpOverload | None:
     return None
 
 
-def _hyperparams_as_floats(graph: fx.Graph) -> None:
+def _hyperparams_as_floats(graph: fx.Graph, as_tensors: set[Slot]) -> None:
     """Each hyperparameter given as a number was traced as a 0-dim tensor read once with .item(): make the graph
-    input the float. (One given as a tensor is read as a tensor.)"""
+    input the float. Those in ``as_tensors`` stay the tensors the user gave, and a write into one is refused: the
+    graph reads them at every call, so a value the step sets (a scheduler filling a tensor lr) would be lost."""
     for node in graph.nodes:
-        if node.op == "placeholder" and node.meta[TAG].has(Role.HYPERPARAM) and all(
-                reader.target is torch.ops.aten._local_scalar_dense.default for reader in node.users):
-            for reader in list(node.users):
-                if reader.target is torch.ops.aten._local_scalar_dense.default:
-                    node.meta["val"] = reader.meta["val"]
-                    reader.replace_all_uses_with(node)
-                    graph.erase_node(reader)
+        if node.op != "placeholder" or not node.meta[TAG].has(Role.HYPERPARAM):
+            continue
+        if as_tensors.intersection(node.meta[TAG].slots):
+            _refuse_writes_into(node)
+            continue
+        for reader in list(node.users):
+            if reader.target is torch.ops.aten._local_scalar_dense.default:
+                node.meta["val"] = reader.meta["val"]
+                reader.replace_all_uses_with(node)
+                graph.erase_node(reader)
+
+
+def _refuse_writes_into(hyperparam: fx.Node) -> None:
+    for node in hyperparam.graph.nodes:
+        if is_mutating(node) and storage_root(node) is hyperparam:
+            raise CaptureError(
+                f"the train step writes into hyperparameter {hyperparam.meta[TAG].slots[0].describe()}, a tensor "
+                "(as an LR scheduler's step() inside the step fills a tensor lr): it would be traced once, not "
+                "applied at every call",
+                source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
+                hint="step schedulers and set hyperparameters outside the compiled step; it reads them at every call")
 
 
 def _placeholder_name(slot: Slot) -> str:

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 from torch import _meta_registrations
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 _ALSO_ON_CPU = (torch.float32, torch.float16)
 
@@ -34,3 +35,6 @@ def cpu_dtypes_for_grouped_mm() -> Iterator[None]:
         yield
     finally:
         _meta_registrations._meta_grouped_mm_common = original
+        # the fake-op cache is one for the process: answers given here must not outlive the widening
+        for key in [k for k in FakeTensorMode.cache if k.key and k.key[0] is torch.ops.aten._grouped_mm.default]:
+            del FakeTensorMode.cache[key]

@@ -116,8 +116,11 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
 
 
 def _input_kind(value) -> str:
-    """What the key holds for a hyperparameter the graph takes as an input: a number, or a tensor of a dtype."""
-    return f"<input: {value.dtype} tensor on {value.device.type}>" if isinstance(value, torch.Tensor) else "<input>"
+    """What the key holds for a hyperparameter the graph takes as an input: a number, or a tensor of a dtype on a
+    device, and whether it requires grad (torch.optim branches on that)."""
+    if not isinstance(value, torch.Tensor):
+        return "<input>"
+    return f"<input: {value.dtype} tensor on {value.device}{', requiring grad' if value.requires_grad else ''}>"
 
 
 def owned_parts(key: dict[str, tuple]) -> dict[str, tuple]:

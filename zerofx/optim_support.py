@@ -5,9 +5,9 @@ parameter, so it runs unchanged on shards. (RAdam branches in Python on the step
 not shaped like its parameter, LBFGS calls the model again: none fits one traced step sharded by element.)
 
 Hyperparameters are graph inputs (lr, betas, alpha, rho, weight decay; SGD's and RMSprop's momentum, ...), so an LR
-scheduler or OneCycleLR's momentum cycling changes the update without a new trace. Each is traced as a 0-dim tensor
-read with ``.item()``: an unbacked symbolic float, which the update computes with and passes to its ops as it would
-the Python float. Where torch.optim also branches on one in Python (``if momentum != 0``, ``if momentum > 0``,
+scheduler or OneCycleLR's momentum cycling changes the update without a new trace. Each given as a number is traced
+as a 0-dim tensor read with ``.item()``: an unbacked symbolic float, which the update computes with and passes to its
+ops as it would the Python float; one given as a tensor is traced as that tensor (`traced_as_tensor`). Where torch.optim also branches on one in Python (``if momentum != 0``, ``if momentum > 0``,
 ``if weight_decay != 0``), only the branch is a guard: the key records the value's sign, and the trace states it to
 the tracer with ``torch._check``, which decides torch.optim's comparison with zero from it. Any other comparison of
 an input fails the capture, so a graph never depends on more than its key says. Crossing zero re-traces once per
@@ -79,8 +79,8 @@ def _rmsprop_state(group: dict) -> tuple[str, ...]:
 
 _LR, _WEIGHT_DECAY = ("lr", None), ("weight_decay", None)
 _BETAS = (("betas", 0), ("betas", 1))
-_ADAM = OptimizerSpec(tensor_hyperparams=(_LR, *_BETAS, _WEIGHT_DECAY), zero_tested=(_WEIGHT_DECAY,),
-                      per_element_state=_adam_state)
+_ADAM_INPUTS = (_LR, *_BETAS, _WEIGHT_DECAY)  # Adam's, Adamax's, and NAdam's but for its momentum decay
+_ADAM = OptimizerSpec(tensor_hyperparams=_ADAM_INPUTS, zero_tested=(_WEIGHT_DECAY,), per_element_state=_adam_state)
 SPECS: dict[type, OptimizerSpec] = {
     # With dampening 0, a zero buffer updated once equals the clone torch.optim makes on its first step, bit for
     # bit; with dampening it does not. Dampening is otherwise only computed with (``1 - dampening``), so the test
@@ -92,10 +92,10 @@ SPECS: dict[type, OptimizerSpec] = {
         starts_from_gradient=lambda group: group["momentum"] != 0 and group["dampening"] != 0),
     torch.optim.Adam: _ADAM,
     torch.optim.AdamW: _ADAM,
-    torch.optim.Adamax: OptimizerSpec(tensor_hyperparams=(_LR, *_BETAS, _WEIGHT_DECAY), zero_tested=(_WEIGHT_DECAY,),
+    torch.optim.Adamax: OptimizerSpec(tensor_hyperparams=_ADAM_INPUTS, zero_tested=(_WEIGHT_DECAY,),
                                       per_element_state=lambda group: ("exp_avg", "exp_inf")),
     torch.optim.NAdam: OptimizerSpec(
-        tensor_hyperparams=(_LR, *_BETAS, _WEIGHT_DECAY, ("momentum_decay", None)), zero_tested=(_WEIGHT_DECAY,),
+        tensor_hyperparams=(*_ADAM_INPUTS, ("momentum_decay", None)), zero_tested=(_WEIGHT_DECAY,),
         scalar_state=(("step", 0.0), ("mu_product", 1.0)), per_element_state=lambda group: ("exp_avg", "exp_avg_sq")),
     torch.optim.RMSprop: OptimizerSpec(
         tensor_hyperparams=(_LR, ("alpha", None), ("momentum", None), _WEIGHT_DECAY),
