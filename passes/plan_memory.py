@@ -135,24 +135,70 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
     buffers are busiest at another time, or the arena has gaps. Leave to the allocator, largest first, planned
     buffers not alive where the others peak (and, while the planned ones peak elsewhere, alive where they do),
     until the arena fits in what the planned buffers hold where the others peak. Gradients the step leaves in the
-    arena go last: left to the allocator, they would be allocated anew every step."""
+    arena go last: left to the allocator, they would be allocated anew every step.
+
+    The order they leave in follows from live bytes alone (`_leaving_order`); an arena takes a whole plan to size,
+    so one is planned only at a few points along that order (`_earliest_fitting`), not after every buffer."""
     chosen = sorted(chosen, key=lambda spans: (any(s.end >= length for s in spans), -sum(s.nbytes for s in spans)))
-    for _ in range(len(chosen)):
-        planned, rest = live_bytes([s for spans in chosen for s in spans], length), live_bytes(others, length)
+    leaving, fitting = _leaving_order(chosen, others, length)
+
+    def arena_fits(i: int) -> bool:
+        gone, room = fitting[i]
+        return place(_staying(chosen, leaving[:gone]), alignment).arena_bytes <= room
+
+    found = _earliest_fitting(len(fitting), arena_fits)
+    gone = len(leaving) if found is None else fitting[found][0]
+    left["held where the planned buffers peak"] += sum(s.nbytes for spans in leaving[:gone] for s in spans)
+    return _staying(chosen, leaving[:gone])
+
+
+def _leaving_order(chosen: list[list[Lifetime]], others: list[Lifetime],
+                   length: int) -> tuple[list[list[Lifetime]], list[tuple[int, int]]]:
+    """The planned buffers in the order they leave for the allocator, and, for each point along it (how many have
+    left) where the planned buffers hold no more at their own peak than where the others peak, that point and the
+    room there."""
+    planned, rest = live_bytes([s for spans in chosen for s in spans], length), live_bytes(others, length)
+    staying, leaving, fitting = list(chosen), [], []
+    while True:
         at_rest_peak = int(rest.argmax())
-        room = planned[at_rest_peak]
+        room = int(planned[at_rest_peak])
         at_planned_peak = int(planned.argmax()) if planned.max() > room else None
-        if at_planned_peak is None and place([s for spans in chosen for s in spans], alignment).arena_bytes <= room:
-            break
-        index = next((i for i, spans in enumerate(chosen)
+        if at_planned_peak is None:
+            fitting.append((len(leaving), room))
+        index = next((i for i, spans in enumerate(staying)
                       if (at_planned_peak is None or any(s.start <= at_planned_peak < s.end for s in spans))
                       and not any(s.start <= at_rest_peak < s.end for s in spans)), None)
         if index is None:
-            break
-        moved = chosen.pop(index)
-        others += moved
-        left["held where the planned buffers peak"] += sum(s.nbytes for s in moved)
-    return [s for spans in chosen for s in spans]
+            return leaving, fitting
+        leaving.append(staying.pop(index))
+        for s in leaving[-1]:
+            planned[s.start:s.end] -= s.nbytes
+            rest[s.start:s.end] += s.nbytes
+
+
+def _earliest_fitting(n: int, fits) -> int | None:
+    """The earliest ``i < n`` found with ``fits(i)``, trying 0, 1, 3, 7, ... and then halving back from the first
+    that fits: the earliest of all where fitting, once reached, stays so (fewer buffers, a smaller arena), and one
+    that fits where it does not; None if none tried fits."""
+    known_not, i, step = -1, 0, 1
+    while i < n and not fits(i):
+        known_not, i, step = i, i + step, step * 2
+    if i >= n:
+        if known_not == n - 1 or not fits(n - 1):
+            return None
+        i = n - 1
+    while i - known_not > 1:
+        middle = (known_not + i) // 2
+        if fits(middle):
+            i = middle
+        else:
+            known_not = middle
+    return i
+
+
+def _staying(chosen: list[list[Lifetime]], leaving: list[list[Lifetime]]) -> list[Lifetime]:
+    gone = {id(spans) for spans in leaving}
+    return [s for spans in chosen if id(spans) not in gone for s in spans]
 
 
 def _outputs(node: fx.Node) -> list:

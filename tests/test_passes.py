@@ -477,3 +477,23 @@ def test_plan_memory_leaves_out_variants_torch_made_up_to_the_allocator():
     assert aten.native_layer_norm.default in targets and aten.native_layer_norm.out not in targets
     assert aten.mm.out in targets
     assert ctx.artifacts["memory_plan"].left["an out= variant that allocates and copies (native_layer_norm)"] > 0
+
+
+@pytest.mark.parametrize("first_fitting", [0, 1, 2, 299, 498, 499])
+def test_plan_memory_sizes_an_arena_a_logarithmic_number_of_times(first_fitting):
+    """Where the planned buffers must leave for the allocator one by one until their arena fits, the arena is
+    planned at doubling steps and halved back, not after each buffer: the first point that fits is found in at most
+    2·log2(n) + 2 plans of n, and the search answers None, planning as often, where none fits."""
+    from zerofx.passes.plan_memory import _earliest_fitting
+
+    for n, expected in ((500, first_fitting), (first_fitting, None)):
+        asked = []
+
+        def fits(i):
+            asked.append(i)
+            return i >= first_fitting
+
+        assert _earliest_fitting(n, fits) == expected
+        assert len(asked) <= 2 * max(n, 2).bit_length() + 2, asked
+    # where fitting comes and goes, the answer fits, though an earlier point the steps jumped over may too
+    assert _earliest_fitting(100, lambda i: i == 5 or i >= 40) == 40
