@@ -103,6 +103,7 @@ class StepProbe(fx.Interpreter):
         self._end_of_backward = backward[-1] if backward else None
         self._category: dict[int, tuple[StorageWeakRef, str]] = {}  # live storages; a freed one's key is reused
         self._slots: dict[int, tuple[int, str]] = {}  # the arena's slots in use: first byte -> (end, category)
+        self._pointers_of: dict[fx.Node, tuple[int, ...]] = {}
         self._tracker: LiveStorageTracker | None = None
         self.grad_bytes = 0
         self.activation_bytes = 0
@@ -168,14 +169,23 @@ class StepProbe(fx.Interpreter):
 
     def _relabel_slot(self, view: torch.Tensor, category: str) -> None:
         """The slot ``view`` lies in holds ``category`` from now on, as an unplanned storage would be relabelled."""
-        first = self._slot_of(view, sorted(self._slots))
+        first = self._slot_of(view.data_ptr(), sorted(self._slots))
         if first is not None:
             self._slots[first] = (self._slots[first][0], category)
 
-    def _slot_of(self, t: torch.Tensor, firsts: list[int]) -> int | None:
-        """The first byte of the slot (``firsts``, sorted) that ``t`` starts in, if any."""
-        i = bisect.bisect_right(firsts, t.data_ptr()) - 1
-        return firsts[i] if i >= 0 and t.data_ptr() < self._slots[firsts[i]][0] else None
+    def _slot_of(self, pointer: int, firsts: list[int]) -> int | None:
+        """The first byte of the slot (``firsts``, sorted) that ``pointer`` lies in, if any."""
+        i = bisect.bisect_right(firsts, pointer) - 1
+        return firsts[i] if i >= 0 and pointer < self._slots[firsts[i]][0] else None
+
+    def _pointers(self, node: fx.Node) -> tuple[int, ...]:
+        """Where the non-empty tensors of ``node``'s value start, read once: a slot's views never move, and no other
+        tensor can start inside the arena, which is allocated all along."""
+        pointers = self._pointers_of.get(node)
+        if pointers is None:
+            pointers = self._pointers_of[node] = tuple(
+                t.data_ptr() for t in pytree.tree_leaves(self.env[node]) if isinstance(t, torch.Tensor) and t.numel())
+        return pointers
 
     def _slots_in_use(self) -> dict[str, int]:
         """Bytes of the slots the step still holds (their writer's result or a view of it), by category."""
@@ -183,11 +193,11 @@ class StepProbe(fx.Interpreter):
             return {}
         firsts = sorted(self._slots)
         held = set()
-        for node, value in self.env.items():
+        for node in self.env:
             if node.op == "placeholder":
                 continue  # the arena's own list holds every slot
-            for t in pytree.tree_leaves(value):
-                if isinstance(t, torch.Tensor) and t.numel() and (first := self._slot_of(t, firsts)) is not None:
+            for pointer in self._pointers(node):
+                if (first := self._slot_of(pointer, firsts)) is not None:
                     held.add(first)
         by_category: dict[str, int] = {}
         for first in held:
