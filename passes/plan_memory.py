@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 
 from zerofx.memory.lifetimes import Lifetime, lifetimes, live_bytes, step_device
-from zerofx.memory.pools import place, slot_alignment, slot_view
+from zerofx.memory.pools import place, slot_alignment, slot_views
 from zerofx.passes.context import PassContext
 from zerofx.passes.graph_edit import add_call, fake_mode_of
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, StepGraph, tag
@@ -245,11 +245,11 @@ def _arena_placeholder(graph: fx.Graph, nbytes: int, device: torch.device,
     with graph.inserting_after(last_placeholder):
         arena = graph.placeholder("arena")
     mode = fake_mode_of(graph)
-    # three view ops a slot, each with new arguments: torch's fake-op cache (one for the whole process) would keep
+    # a view op a slot, each with new arguments: torch's fake-op cache (one for the whole process) would keep
     # an entry for each as long as the process lives, a megabyte or more a plan
     with mode, disable_fake_tensor_cache(mode):
         raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        views = [slot_view(raw, offset, val.dtype, val.shape) for val, offset in slots]
+        views = slot_views(raw, [(offset, val.dtype, val.shape) for val, offset in slots])
     arena.meta.update(val=views, **{TAG: NodeTag(Phase.FORWARD, 0, [Slot(Role.ARENA)])})
     return arena
 

@@ -16,7 +16,7 @@ from zerofx.memory import HEURISTICS, Block, plan, read_csv, write_csv
 from zerofx.memory.lifetimes import Lifetime
 from zerofx.memory import planner
 from zerofx.memory.planner import Problem
-from zerofx.memory.pools import BY_CLASS, JOINT, place
+from zerofx.memory.pools import BY_CLASS, JOINT, place, slot_views
 
 DATA = Path(__file__).parent / "data"
 
@@ -220,3 +220,20 @@ def test_area_order_with_products_past_int64():
     blocks = [(2**40, 0, 2**41), (2**42, 0, 2**40), (2**41, 0, 2**43), (2**30, 0, 2**50)]
     order = Problem(np.array(blocks, dtype=np.int64), 1).order("area").tolist()
     assert order == sorted(range(4), key=lambda i: (-blocks[i][0] * (blocks[i][2] - blocks[i][1]), -blocks[i][0]))
+
+
+def test_slot_views_are_contiguous_tensors_at_their_offsets_in_the_arena():
+    """Each slot views its own bytes of the arena, as the ops writing into it need: contiguous, of its dtype and
+    shape, starting at its byte offset, in the arena's storage (zero-size dimensions included)."""
+    raw = torch.zeros(1024, dtype=torch.uint8)
+    places = [(0, torch.float32, (4, 8)), (128, torch.bfloat16, (3, 0, 5)), (192, torch.int64, ()),
+              (256, torch.float16, (2, 3, 4)), (512, torch.complex64, (7,)), (576, torch.bool, (64,))]
+    views = slot_views(raw, places)
+    for view, (offset, dtype, shape) in zip(views, places):
+        assert view.dtype == dtype and view.shape == shape and view.is_contiguous()
+        assert view.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+        assert view.storage_offset() * view.element_size() == offset
+        view.fill_(1)
+        written = raw[offset:offset + view.numel() * view.element_size()]
+        assert bool((written != 0).any()) == (view.numel() > 0)
+        raw.zero_()
