@@ -5,7 +5,6 @@ tensor out of the arena's bytes."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
