@@ -167,7 +167,7 @@ def main() -> None:
             for planned in (False, True):
                 rows.setdefault((stage, planned), []).append(_run_one(args, stage, planned))
     print(f"| stage | memory_plan | blocks freed per step (profiler) | tensor allocations per step | peak live bytes "
-          f"| resident high-water KiB, whole process | its rise over the timed steps | after them: anonymous KiB | mapped files KiB "
+          f"| resident high-water KiB, whole process: median (least-most) | its rise over the timed steps | after them: anonymous KiB | mapped files KiB "
           f"| step ms (median of {args.rounds} rounds) |")
     print("|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for (stage, planned), runs in rows.items():
@@ -175,7 +175,7 @@ def main() -> None:
         print(f"| {stage} | {'yes' if planned else 'no'} | {statistics.median(r['frees'] for r in runs):.0f} | "
               f"{'-' if count is None else f'{count:.0f}'} | "
               f"{statistics.median(r['peak_bytes'] for r in runs):,.0f} | "
-              f"{statistics.median(r['rss_kib'] for r in runs):,.0f} | "
+              f"{_median_and_range([r['rss_kib'] for r in runs])} | "
               f"{_median_or_dash([r['steps_rss_kib'] for r in runs])} | "
               f"{_median_or_dash([r['anon_kib'] for r in runs])} | {_median_or_dash([r['file_kib'] for r in runs])} | "
               f"{statistics.median(r['step_ms'] for r in runs):.1f} |")
@@ -193,6 +193,11 @@ def _run_one(args, stage: int, planned: bool, counter: str | None = None):
         env = {**os.environ, "LD_PRELOAD": " ".join(filter(None, [os.environ.get("LD_PRELOAD"), counter]))}
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def _median_and_range(values: list) -> str:
+    """A figure that varies by megabytes between identical processes (where the heap's holes fall), with its range."""
+    return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
 def _median_or_dash(values: list) -> str:
