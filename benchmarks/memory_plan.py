@@ -196,7 +196,7 @@ def _run_one(args, stage: int, planned: bool, counter: str | None = None):
 
 
 def _median_and_range(values: list) -> str:
-    """A figure that varies by megabytes between identical processes (where the heap's holes fall), with its range."""
+    """A figure that varies by megabytes between identical processes, with its range."""
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
