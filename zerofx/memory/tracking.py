@@ -30,6 +30,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.ops = 0  # dispatched so far, each sampled as it returns
         for t in pytree.tree_leaves(roots):
             if isinstance(t, torch.Tensor):
                 self._track(t)
@@ -43,8 +44,10 @@ class LiveStorageTracker(TorchDispatchMode):
             self._live[ref.cdata] = (ref, nbytes)
             self.live_bytes += nbytes
 
-    def live_by_storage(self) -> dict[int, int]:
-        self._sweep()
+    def live_by_storage(self, sweep: bool = True) -> dict[int, int]:
+        """Bytes of each live storage; ``sweep=False`` trusts the last sample (nothing freed or resized since)."""
+        if sweep:
+            self._sweep()
         return {key: nbytes for key, (ref, nbytes) in self._live.items()}
 
     def _sweep(self) -> None:
@@ -66,6 +69,7 @@ class LiveStorageTracker(TorchDispatchMode):
                 self._track(t)
         self._sweep()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.ops += 1
         return out
 
     def __exit__(self, *exc):
@@ -119,7 +123,12 @@ class StepProbe(fx.Interpreter):
         return out
 
     def run_node(self, n: fx.Node):
+        ops_before = self._tracker.ops
         result = super().run_node(n)
+        # an ATen node that dispatched one op was sampled as that op returned, and nothing has let go of a tensor
+        # since (its inputs stay in the environment until after this): sweeping the live storages again, as every
+        # other node needs, would find the same
+        sampled = isinstance(n.target, torch._ops.OpOverload) and self._tracker.ops - ops_before == 1
         category = category_of(n)
         for value in pytree.tree_leaves(result):
             if isinstance(value, torch.Tensor):
@@ -134,7 +143,7 @@ class StepProbe(fx.Interpreter):
                     self._category[ref.cdata] = (ref, category)
         if _reads_a_slot(n):
             self._open_slot(result, category_of(next(iter(n.users))))
-        live = self._tracker.live_by_storage()
+        live = self._tracker.live_by_storage(sweep=not sampled)
         for key in self._category.keys() - live.keys():  # freed since the last node: the key may be reused
             del self._category[key]
         live_by_category: dict[str, int] = {}
