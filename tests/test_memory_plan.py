@@ -224,16 +224,19 @@ def test_area_order_with_products_past_int64():
 
 def test_slot_views_are_contiguous_tensors_at_their_offsets_in_the_arena():
     """Each slot views its own bytes of the arena, as the ops writing into it need: contiguous, of its dtype and
-    shape, starting at its byte offset, in the arena's storage (zero-size dimensions included)."""
-    raw = torch.zeros(1024, dtype=torch.uint8)
+    shape, starting at its byte offset, in the arena's storage (zero-size dimensions included), and writing one
+    leaves every other byte as it was; an arena that starts inside its storage counts offsets from its own start."""
+    storage = torch.zeros(64 + 1024, dtype=torch.uint8)
+    raw = storage[64:]
     places = [(0, torch.float32, (4, 8)), (128, torch.bfloat16, (3, 0, 5)), (192, torch.int64, ()),
               (256, torch.float16, (2, 3, 4)), (512, torch.complex64, (7,)), (576, torch.bool, (64,))]
     views = slot_views(raw, places)
     for view, (offset, dtype, shape) in zip(views, places):
         assert view.dtype == dtype and view.shape == shape and view.is_contiguous()
         assert view.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
-        assert view.storage_offset() * view.element_size() == offset
+        assert view.storage_offset() * view.element_size() == 64 + offset
         view.fill_(1)
-        written = raw[offset:offset + view.numel() * view.element_size()]
-        assert bool((written != 0).any()) == (view.numel() > 0)
+        end = offset + view.numel() * view.element_size()
+        assert bool((raw[offset:end] != 0).any()) == (view.numel() > 0)
+        assert not storage[:64].any() and not raw[:offset].any() and not raw[end:].any()
         raw.zero_()

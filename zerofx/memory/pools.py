@@ -63,7 +63,8 @@ def slot_views(raw: torch.Tensor, slots) -> list[torch.Tensor]:
     for offset, dtype, shape in slots:
         if dtype not in typed:
             typed[dtype] = raw.view(dtype)
-        views.append(typed[dtype].as_strided(shape, _contiguous_strides(shape), offset // dtype.itemsize))
+        start = (raw.storage_offset() + offset) // dtype.itemsize  # as_strided counts from the storage's start
+        views.append(typed[dtype].as_strided(shape, _contiguous_strides(shape), start))
     return views
 
 

@@ -116,6 +116,7 @@ class StepProbe(fx.Interpreter):
         self.high_water: dict[str, int] = {}
 
     def run_step(self, inputs: list, roots=()):
+        self._pointers_of.clear()  # another run's tensors
         with LiveStorageTracker(roots) as tracker:
             self._tracker = tracker
             out = self.run(*inputs)
