@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 
 from zerofx.memory.lifetimes import Lifetime, lifetimes, live_bytes, step_device
-from zerofx.memory.pools import place, slot_alignment, slot_views
+from zerofx.memory.pools import Placement, place, slot_alignment, slot_views
 from zerofx.passes.context import PassContext
 from zerofx.passes.graph_edit import add_call, fake_mode_of
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, StepGraph, tag
@@ -63,10 +63,9 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             others += spans
             left[reason] += sum(s.nbytes for s in spans)
     alignment = slot_alignment(device)
-    chosen = _fit_under_peak(chosen, others, len(nodes), left, alignment)
+    chosen, placed = _fit_under_peak(chosen, others, len(nodes), left, alignment=alignment)
     if not chosen:
         return gm
-    placed = place(chosen, alignment)  # heuristics only: the plan, and so the graph, is the same on every rank
     offsets: dict[str, list[int]] = {}
     for span, offset in zip(chosen, placed.offsets):
         offsets.setdefault(span.node, []).append(offset)
@@ -129,7 +128,7 @@ def _why_not(node: fx.Node, spans: list[Lifetime], end_of_step: int, grads_stay:
 
 
 def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length: int, left: Counter,
-                    alignment: int) -> list[Lifetime]:
+                    alignment: int) -> tuple[list[Lifetime], Placement]:
     """The arena is held all step, the buffers left to the allocator come and go: planned, the step holds the
     arena's size plus the most those others hold at once, which exceeds the unplanned peak whenever the planned
     buffers are busiest at another time, or the arena has gaps. Leave to the allocator, largest first, planned
@@ -142,19 +141,24 @@ def _fit_under_peak(chosen: list[list[Lifetime]], others: list[Lifetime], length
     can come and go along the order (the room shrinks as buffers leave, and the heuristics may pack fewer buffers
     worse), so the point found fits but may lie past an earlier one that also does: more buffers then go to the
     allocator than a plan after every buffer would send (on the test GPT's fp32 stage-0 step on one rank, 93 of 113
-    buffers instead of 42; but planning after every buffer took its fp16 stage-1 build 6.7 s instead of 0.4)."""
+    buffers instead of 42; but planning after every buffer took its fp16 stage-1 build 6.7 s instead of 0.4).
+
+    Returns the buffers that stay and their placement (heuristics only: the plan, and so the graph, is the same on
+    every rank)."""
     chosen = sorted(chosen, key=lambda spans: (any(s.end >= length for s in spans), -sum(s.nbytes for s in spans)))
     leaving, fitting = _leaving_order(chosen, others, length)
+    placements: dict[int, Placement] = {}  # by how many have left
 
-    def arena_fits(i: int) -> bool:
-        gone, room = fitting[i]
-        return place(_staying(chosen, leaving[:gone]), alignment).arena_bytes <= room
+    def placed_after(gone: int) -> Placement:
+        if gone not in placements:
+            placements[gone] = place(_staying(chosen, leaving[:gone]), alignment)
+        return placements[gone]
 
-    found = _earliest_fitting(len(fitting), arena_fits)
+    found = _earliest_fitting(len(fitting), lambda i: placed_after(fitting[i][0]).arena_bytes <= fitting[i][1])
     gone = len(leaving) if found is None else fitting[found][0]
     if gone:
         left["held where the planned buffers peak"] += sum(s.nbytes for spans in leaving[:gone] for s in spans)
-    return _staying(chosen, leaving[:gone])
+    return _staying(chosen, leaving[:gone]), placed_after(gone)
 
 
 def _leaving_order(chosen: list[list[Lifetime]], others: list[Lifetime],

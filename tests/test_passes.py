@@ -432,10 +432,11 @@ def test_plan_memory_writes_copies_into_their_slots_in_place(monkeypatch):
     planned here (``_fit_under_peak``, which leaves some to the allocator for the peak's sake, is bypassed)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from zerofx.memory.pools import slot_views
+    from zerofx.memory.pools import place, slot_views
     from zerofx.passes import plan_memory as module
 
-    monkeypatch.setattr(module, "_fit_under_peak", lambda chosen, *_: [s for spans in chosen for s in spans])
+    monkeypatch.setattr(module, "_fit_under_peak", lambda chosen, *_, alignment: (
+        (every := [s for spans in chosen for s in spans]), place(every, alignment)))
     plan_memory = module.plan_memory
 
     def make():
