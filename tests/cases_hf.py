@@ -26,6 +26,14 @@ def _model(arch: str):
                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                             num_local_experts=4, num_experts_per_tok=2)
         model = transformers.MixtralForCausalLM(config)
+    elif arch == "t5":  # encoder-decoder: the labels shifted right feed the decoder; relative position biases
+        config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                       decoder_start_token_id=0)
+        model = transformers.T5ForConditionalGeneration(config)
+    elif arch == "bert":  # encoder, masked-LM head tied to the embeddings, token-type embeddings
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64, max_position_embeddings=32)
+        model = transformers.BertForMaskedLM(config)
     else:  # GPT-2 with its dropouts on
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
                                          resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)

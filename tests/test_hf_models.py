@@ -1,5 +1,6 @@
-"""Hugging Face Llama, GPT-2 (dropout on) and Mixtral (Mixture of Experts) at every stage, in the HF Trainer's loop
-style, against DDP; Mixtral under mixed precision against FSDP2."""
+"""Hugging Face Llama, GPT-2 (dropout on) and Mixtral (Mixture of Experts) at every stage, T5 (encoder-decoder) and
+BERT (encoder) at two stages each, in the HF Trainer's loop style, against DDP; Mixtral under mixed precision against
+FSDP2."""
 
 import pytest
 
@@ -11,6 +12,13 @@ import cases_hf as cases
 def test_hf_model_in_the_trainers_loop_matches_ddp(ranks2, stage, arch):
     result = ranks2.run(cases.hf_loop_against_ddp, stage=stage, arch=arch)[0]
     assert result["traces"] == 3  # training, one evaluation-mode step, the short last batch
+
+
+# each at two stages, together every stage: the suite stays short
+@pytest.mark.parametrize("stage, arch", [(1, "t5"), (3, "t5"), (0, "bert"), (2, "bert")])
+def test_hf_encoder_models_in_the_trainers_loop_match_ddp(ranks2, stage, arch):
+    result = ranks2.run(cases.hf_loop_against_ddp, stage=stage, arch=arch)[0]
+    assert result["traces"] == 3
 
 
 # each precision at two stages, not every pair: the suite stays short
