@@ -63,7 +63,7 @@ def plan_memory(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             others += spans
             left[reason] += sum(s.nbytes for s in spans)
     alignment = slot_alignment(device)
-    chosen, placed = _fit_under_peak(chosen, others, len(nodes), left, alignment=alignment)
+    chosen, placed = _fit_under_peak(chosen, others, len(nodes), left, alignment)
     if not chosen:
         return gm
     offsets: dict[str, list[int]] = {}

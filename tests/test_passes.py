@@ -432,11 +432,14 @@ def test_plan_memory_writes_copies_into_their_slots_in_place(monkeypatch):
     planned here (``_fit_under_peak``, which leaves some to the allocator for the peak's sake, is bypassed)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from zerofx.memory.pools import place, slot_views
+    from zerofx.memory.pools import place, slot_place, slot_views
     from zerofx.passes import plan_memory as module
 
-    monkeypatch.setattr(module, "_fit_under_peak", lambda chosen, *_, alignment: (
-        (every := [s for spans in chosen for s in spans]), place(every, alignment)))
+    def plan_every_candidate(chosen, others, length, left, alignment):
+        every = [s for spans in chosen for s in spans]
+        return every, place(every, alignment)
+
+    monkeypatch.setattr(module, "_fit_under_peak", plan_every_candidate)
     plan_memory = module.plan_memory
 
     def make():
@@ -456,8 +459,7 @@ def test_plan_memory_writes_copies_into_their_slots_in_place(monkeypatch):
         planned = plan_memory(gm, ctx)
         arena = next(n for n in planned.graph.nodes if n.op == "placeholder" and n.name == "arena")
         raw = torch.empty(ctx.artifacts["arena_bytes"], dtype=torch.uint8)
-        places = [(v.storage_offset() * v.element_size(), v.dtype, v.shape) for v in arena.meta["val"]]
-        slots = slot_views(raw, places)
+        slots = slot_views(raw, [slot_place(v) for v in arena.meta["val"]])
         got = planned(*got_state, slots)
     written = [n for n in _calls(planned, aten.copy_.default) if n.args[0].args[0] is arena]
     assert len(written) == copies and not _calls(planned, aten._to_copy.default) + _calls(planned, aten.clone.default)

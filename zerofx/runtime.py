@@ -24,7 +24,7 @@ from zerofx.fast_calls import Runnable, fast_calls
 from zerofx.memory import StepProbe
 from zerofx.memory import timeline
 from zerofx.memory.lifetimes import StepMemoryPlan, lifetimes, plan_step
-from zerofx.memory.pools import slot_views
+from zerofx.memory.pools import slot_place, slot_views
 from zerofx.mesh import DTensorSpecs, local, wrap
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext, pipeline
@@ -88,8 +88,7 @@ class SharedArena:
             self._raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if graph not in self._slots:
             before = _storage_references(self._raw)
-            places = [(s.storage_offset() * s.element_size(), s.dtype, s.shape) for s in planned]
-            slots = slot_views(self._raw, places)
+            slots = slot_views(self._raw, [slot_place(s) for s in planned])
             self._slots[graph] = slots, _storage_references(self._raw) - before
         return self._slots[graph][0]
 

@@ -68,6 +68,12 @@ def slot_views(raw: torch.Tensor, slots) -> list[torch.Tensor]:
     return views
 
 
+def slot_place(slot: torch.Tensor) -> tuple[int, torch.dtype, torch.Size]:
+    """Where `slot_views` put ``slot`` (a fake one in the graph, say), to make it again in other bytes: its byte
+    offset in its storage (the arena's, which starts at the storage's start), dtype and shape."""
+    return slot.storage_offset() * slot.element_size(), slot.dtype, slot.shape
+
+
 def _contiguous_strides(shape) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
