@@ -11,6 +11,8 @@ guarantees. Contents, in pipeline order:
 - ``skip_nonfinite_update``: float16 loss scaling, ranks agree on overflow and such a step changes nothing.
 - ``broadcast_buffers``: rank 0's buffers broadcast before forward (DDP's default).
 - ``bucket_allreduce``: stage 0, bucketed gradient all-reduce as gradients become ready.
+- ``split_incoming_grads``: stages 1-3, backward computes this call's own gradient; a shard an earlier call kept is
+  added to its reduced shard (an update every k-th call).
 - ``shard_optimizer_state``: stages 1-3, the optimizer updates this rank's shards (P_os).
 - ``gather_params``: stage 3, gather parameter units before forward and backward read them (P_p), with prefetch.
 - ``cast_params_at_gather``: stage 3 under mixed precision, gather casts of the fp32 master shards; no low-precision
@@ -52,8 +54,10 @@ from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
 from zerofx.passes.shard_optimizer_state import shard_optimizer_state
 from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
+from zerofx.passes.split_incoming_grads import split_incoming_grads
 
 __all__ = ["PassContext", "Pipeline", "pipeline", "allgather_params", "broadcast_buffers", "bucket_allreduce",
            "carry_rank_agreement", "cast_params_at_gather", "checkpoint_activations", "gather_params", "global_grad_norm",
            "offload_checkpoints", "partition_checkpoints", "propagate_shard_shapes", "recompute_pointwise",
-           "reduce_scatter_grads", "remove_profiler_ops", "shard_optimizer_state", "skip_nonfinite_update"]
+           "reduce_scatter_grads", "remove_profiler_ops", "shard_optimizer_state", "skip_nonfinite_update",
+           "split_incoming_grads"]

@@ -37,4 +37,7 @@ class PassContext:
     # parameters the step's state already owns (stages 1-3): stored as the trained ones are, even where this graph
     # computes no gradient for them (an evaluation through the step)
     owned_params: frozenset[str] = frozenset()
+    # parameters whose gradient the step leaves for its next call to accumulate into (an update every k-th call):
+    # from stage 1 on the step keeps this rank's reduced shard of it
+    grads_kept: frozenset[str] = frozenset()
     artifacts: dict[str, Any] = field(default_factory=dict)  # what passes leave for the runtime and reports

@@ -32,7 +32,8 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     Gradients travel in ``ctx.reduce_dtype`` when it is set (cast just before packing). At stages 2-3 a bucket's
     wait sits where the next bucket is issued (one reduce-scatter and its packed copy in flight); the last wait (and
     every wait at stage 1) sits just before the first reader; every later reader (clipping, the optimizer) reads
-    this rank's accumulated shard. A gradient nothing reads (a parameter no optimizer holds) is not reduced. Leaves
+    this rank's accumulated shard, which starts from the shard an earlier call kept (a GRAD_IN placeholder) where
+    there is one. A gradient nothing reads (a parameter no optimizer holds) is not reduced. Leaves
     ``ctx.artifacts["grad_buckets"]``.
     """
     sg = StepGraph(gm)
@@ -43,7 +44,9 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     if not any(f in layouts for f in sg.tagged(Role.GRAD)):
         return gm  # no gradient to shard: a forward graph of torch.compile's
     rounds = range(micro) if ctx.stage >= 2 else [micro - 1]
-    accumulated: dict[str, fx.Node] = {}
+    # a shard an earlier call kept (``split_incoming_grads``) is where this call's first reduced shard is added
+    accumulated = {f: incoming for f, incoming in sg.placeholders(Role.GRAD_IN).items()
+                   if f in layouts and f in sg.tagged(Role.GRAD)}
     for mb in rounds:
         grads = {f: g for f, g in sg.tagged(Role.GRAD, mb).items() if f in layouts}
         first_of_many = ctx.stage >= 2 and mb == 0

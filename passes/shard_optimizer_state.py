@@ -26,16 +26,15 @@ def shard_optimizer_state(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
       ``view(slice(p, 0, 0, numel), shape)``, the optimizer updates ``select(view(p, [N, s]), 0, rank)`` in place;
     - stage 3: p's placeholder becomes this rank's shard, which the optimizer updates in place; forward and backward
       reads are left for ``gather_params``;
-    - gradients are no longer graph outputs: from stage 1 on, the step owns the state and ``.grad`` stays empty.
+    - gradients a later call does not read are no longer graph outputs: from stage 1 on, the step owns the state
+      and ``.grad`` stays empty; those of ``ctx.grads_kept`` stay outputs, and ``reduce_scatter_grads`` makes them
+      this rank's reduced shard, which the step keeps for its next call;
+    - each GRAD_IN placeholder (such a shard kept by an earlier call) is shaped as this rank's shard of p.
 
     Leaves ``ctx.artifacts["layouts"]`` (fqn -> ParamLayout) for the passes after it and the runtime.
     """
     graph = gm.graph
     sg = StepGraph(gm)
-    if sg.placeholders(Role.GRAD_IN):
-        raise CaptureError(
-            "the train step accumulates into .grad left by an earlier call",
-            hint=f"stage {ctx.stage} owns the gradients: call optimizer.zero_grad() inside the step")
     n = ctx.world_size
     trained = sg.tagged(Role.GRAD)
     trainable = {fqn: node for fqn, node in sg.params().items() if fqn in trained or fqn in ctx.owned_params}
@@ -69,19 +68,26 @@ def shard_optimizer_state(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         for user in users:
             user.replace_input_with(p, chunk if tag(user).in_optimizer_step else full)
 
+    for fqn, incoming in sg.placeholders(Role.GRAD_IN).items():
+        _as_shard(incoming, layouts[fqn].shard_numel, fake_mode)
     for fqn, state in _param_shaped_state(sg, layouts):
-        with fake_mode:
-            state.meta["val"] = torch.empty(layouts[fqn].shard_numel, dtype=state.meta["val"].dtype,
-                                            device=state.meta["val"].device)
-        state.meta[SHARD] = True
+        _as_shard(state, layouts[fqn].shard_numel, fake_mode)
 
     output = sg.output
-    kept = [(v, s) for v, s in zip(output.args[0], tag(output).slots) if s.role != Role.GRAD_OUT]
+    kept = [(v, s) for v, s in zip(output.args[0], tag(output).slots)
+            if s.role != Role.GRAD_OUT or s.fqn in ctx.grads_kept]
     output.args = ([v for v, _ in kept],)
     tag(output).slots = [s for _, s in kept]
     ctx.artifacts["layouts"] = layouts
     gm.recompile()
     return gm
+
+
+def _as_shard(placeholder: fx.Node, numel: int, fake_mode) -> None:
+    value = placeholder.meta["val"]
+    with fake_mode:
+        placeholder.meta["val"] = torch.empty(numel, dtype=value.dtype, device=value.device)
+    placeholder.meta[SHARD] = True
 
 
 def _param_shaped_state(sg: StepGraph, layouts: dict[str, ParamLayout]):

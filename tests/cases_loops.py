@@ -378,3 +378,91 @@ def two_optimizers_fp16_overflow(rank, world_size, stage):
             for key, value in state.items():
                 assert torch.equal(value, after["optimizer"][oi]["state"][name][key]), (oi, name, key)
     return {"scales": scales, "after_overflow": step.loss_scale}
+
+
+# --- gradients accumulated across calls: an update every k-th call -------------------------------------------------
+
+def _update_when_told(model, optimizer, x, y, update):
+    """The loop of ``gradient_accumulation_steps``: backward every call, the update every k-th."""
+    if not model.training:
+        with torch.no_grad():
+            return model(x, y)
+    loss = model(x, y)
+    (loss / 2).backward()
+    if update:
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
+def _update_without_zero_grad(model, optimizer, x, y, update):
+    """zero_grad() outside the step, after an update: the step leaves every gradient, updated with or not."""
+    loss = model(x, y)
+    (loss / 2).backward()
+    if update:
+        optimizer.step()
+    return loss
+
+
+def _head_every_call_body_every_other(model, adamw, sgd, x, y, update):
+    """Two optimizers: SGD (norms and biases) steps every call, AdamW (the matrices) when told."""
+    if not model.training:
+        with torch.no_grad():
+            return model(x, y)
+    sgd.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    sgd.step()
+    if update:
+        adamw.step()
+        adamw.zero_grad()
+    return loss
+
+
+# (train, update) per call: a window of two, an evaluation inside a window, a window of three
+_CALLS = [(True, False), (False, False), (True, True), (True, False), (True, True), (True, False), (True, False),
+          (True, True)]
+
+
+def accumulate_across_calls_against_ddp(rank, world_size, stage, memory_plan=None):
+    """Each loop against DDP written the same way (DDP all-reduces every backward: the same sums). Returns the
+    bytes of the gradients the step keeps between the calls of a window, and its traces, per loop."""
+    kept, traces = {}, {}
+    loops = {"update every k-th call": (_update_when_told, None),
+             "zero_grad() outside, set to None": (_update_without_zero_grad, True),
+             "zero_grad() outside, zeroed": (_update_without_zero_grad, False),
+             "two optimizers": (_head_every_call_body_every_other, None)}
+    for name, (fn, outside) in loops.items():
+        ref_model, model = gpt_and_adamw()[0], gpt_and_adamw()[0]
+        ddp = DDP(ref_model)
+        if fn is _head_every_call_body_every_other:
+            ref_opts, opts = _two_optimizers(ref_model), _two_optimizers(model)
+        else:
+            ref_opts, opts = (torch.optim.AdamW(ref_model.parameters(), lr=3e-3),), \
+                (torch.optim.AdamW(model.parameters(), lr=3e-3),)
+        step = zerofx.compile(fn, stage=stage, bucket_bytes=8 * 1024, memory_plan=memory_plan)
+        kept[name] = []
+        for i, (train, update) in enumerate(_CALLS):
+            x, y = token_batch(i, rank)
+            ref_model.train(train), model.train(train)
+            # DDP's own forward under no_grad inside a window changes its next reduction: evaluate its module
+            torch.testing.assert_close(step(model, *opts, x, y, update).item(),
+                                       fn(ddp if train else ref_model, *ref_opts, x, y, update).item(), rtol=1e-5,
+                                       atol=0, msg=f"{name}, call {i}")
+            if outside is not None and update:
+                for o in (*opts, *ref_opts):
+                    o.zero_grad(set_to_none=outside)
+            kept[name].append(sum(g.numel() * g.element_size() for g in getattr(step._owned, "kept_grads", {}).values()))
+        full = zerofx.full_state_dict(step)
+        names = {id(p): n for n, p in ref_model.named_parameters()}
+        # DDP averages the accumulated gradient, zerofx the call's alone and adds: sums in another order, whose
+        # rounding AdamW turns into up to 2e-6 where a gradient is near zero (the attention's key biases)
+        for param_name, value in ref_model.state_dict().items():
+            torch.testing.assert_close(full["model"][param_name], value, rtol=1e-5, atol=5e-6,
+                                       msg=lambda m: f"{name}: {param_name}: {m}")
+        by_optimizer = full["optimizer"] if len(ref_opts) > 1 else [full["optimizer"]]
+        for ref_opt, opt_full in zip(ref_opts, by_optimizer):
+            for p, state in ref_opt.state.items():
+                torch.testing.assert_close(opt_full["state"][names[id(p)]], state, rtol=1e-5, atol=5e-6)
+        traces[name] = step.stats().traces
+    return {"kept": kept, "traces": traces}

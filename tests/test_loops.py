@@ -83,3 +83,25 @@ def test_two_optimizers_in_fp16_scale_once_and_skip_together(ranks2, stage):
     for result in ranks2.run(cases.two_optimizers_fp16_overflow, stage=stage):
         assert result["scales"] == [2.0**11, 2.0**12, 2.0**13, 2.0**14]  # grown once per step, not per optimizer
         assert result["after_overflow"] == 2.0**13
+
+
+@pytest.mark.parametrize("stage, memory_plan", [(0, None), (1, None), (2, True), (3, None)])
+def test_gradients_accumulated_across_calls_match_ddp(ranks2, stage, memory_plan):
+    """An update every k-th call with an evaluation inside a window, zero_grad() outside the step (set to None, or
+    zeroed), one optimizer of two stepping every call. From stage 1 on, between calls the step keeps this rank's
+    shard of each gradient left for the next call (and no more): here half of each of the test GPT's parameters.
+    Stage 2 planned: the shards a call leaves in its arena move out before the next call writes there."""
+    result = ranks2.run(cases.accumulate_across_calls_against_ddp, stage=stage, memory_plan=memory_plan)[0]
+    model = cases.gpt_and_adamw()[0]
+    half = 0 if stage == 0 else 4 * sum(p.numel() for p in model.parameters()) // 2  # every numel is even
+    assert half in (0, 56128)
+    assert result["kept"]["update every k-th call"] == [half, half, 0, half, 0, half, half, 0]
+    # without zero_grad() in the step it leaves every gradient; zero_grad() outside then drops or zeroes them
+    assert result["kept"]["zero_grad() outside, set to None"] == [half] * 8
+    # SGD's gradients stay after its update, until its zero_grad() opens the next call
+    sgd_half = 0 if stage == 0 else 4 * sum(p.numel() for p in model.parameters() if p.dim() < 2) // 2
+    assert result["kept"]["two optimizers"] == [half, half, sgd_half, half, sgd_half, half, half, sgd_half]
+    # a graph per kind of call: finding no gradients or some, evaluating, updating (and in the two-optimizer loop,
+    # finding only SGD's, left after its update, which its zero_grad() drops)
+    assert result["traces"] == {"update every k-th call": 4, "zero_grad() outside, set to None": 4,
+                                "zero_grad() outside, zeroed": 4, "two optimizers": 5}

@@ -1,6 +1,7 @@
 """The stage 1-3 passes on captured graphs, without a process group: placement, liveness, bucket sizes."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from zerofx.memory.lifetimes import lifetimes, peak_live
 from zerofx.passes import PassContext, pipeline
 from zerofx.passes.pipeline import Pipeline
 from zerofx.passes.schedule_collectives import schedule_collectives
+from zerofx.passes.split_incoming_grads import split_incoming_grads
 from zerofx.report import paper_table
 from zerofx.step_graph import Phase, Role, StepGraph, tag
 from zerofx.units import unit_of_params
@@ -273,3 +275,55 @@ def test_returning_a_value_computed_from_a_shard_is_refused(stage):
     ref_model, ref_opt = gpt_and_adamw()
     torch.testing.assert_close(zerofx.compile(_returns_a_weight)(model, opt, *token_batch(0, 0))[1],
                                _returns_a_weight(ref_model, ref_opt, *token_batch(0, 0))[1].detach())
+
+
+def _backward_onto_incoming_grads(model, optimizer, x, y, micro_batches=1):
+    """The last call of an accumulation window: backward adds to the .grad it finds, then the update."""
+    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+        model(xs, ys).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _reads_the_incoming_grad(model, optimizer, x, y):
+    norm = model.ln_f.weight.grad.norm()
+    model(x, y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return norm
+
+
+def _captured_onto_incoming_grads(step):
+    model, opt = gpt_and_adamw()
+    args = (model, opt, *token_batch(0, 0))
+    binding = StepBinding.from_args(args)
+    return capture(step, binding, args, grads=list(binding.trainable())).gm
+
+
+@pytest.mark.parametrize("micro_batches, first_grad", [(1, torch.ops.aten.detach.default),
+                                                       (2, torch.ops.aten.clone.default)])
+def test_backward_computes_the_calls_own_gradient_and_the_kept_shard_is_added_to_its_reduced_shard(
+        micro_batches, first_grad):
+    step = functools.partial(_backward_onto_incoming_grads, micro_batches=micro_batches)
+    gm = _captured_onto_incoming_grads(step)
+    incoming = StepGraph(gm).placeholders(Role.GRAD_IN)
+    assert set(incoming) == set(dict(gpt_and_adamw()[0].named_parameters()))
+    sg = StepGraph(split_incoming_grads(gm, PassContext(2, 4, "test", 16 * 1024)))
+    for fqn, placeholder in incoming.items():
+        assert not placeholder.users
+        # as if .grad had been empty: the contribution itself, copied where the second micro-batch adds into it
+        assert sg.tagged(Role.GRAD, 0)[fqn].target == first_grad
+    ctx = PassContext(2, 4, "test", 16 * 1024)
+    gm = Pipeline(2, tuple(p for p in pipeline(2).passes if p is not schedule_collectives)).run(
+        _captured_onto_incoming_grads(step), ctx)
+    layouts = ctx.artifacts["layouts"]
+    for fqn, placeholder in StepGraph(gm).placeholders(Role.GRAD_IN).items():
+        assert tuple(placeholder.meta["val"].shape) == (layouts[fqn].shard_numel,)
+        (add,) = placeholder.users  # this call's first reduced shard added to the kept one, once
+        assert add.target == torch.ops.aten.add.Tensor and add.args[0] is placeholder
+
+
+def test_reading_an_incoming_gradient_other_than_by_backward_is_refused():
+    gm = _captured_onto_incoming_grads(_reads_the_incoming_grad)
+    with pytest.raises(zerofx.CaptureError, match="gradient of 'ln_f.weight' an earlier call left in .grad"):
+        split_incoming_grads(gm, PassContext(2, 4, "test", 16 * 1024))

@@ -229,16 +229,18 @@ def _structure(graph: fx.Graph) -> tuple:
 
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
-          state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool,
+          state: ShardedState | None, mixed: MixedPrecision | None, reads_incoming_grads: bool | None,
           checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None,
           keep_graphs: bool = False, *, arena: SharedArena) -> CompiledGraph:
-    """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
-    learn whether the step reads them; if it reads one that this call does not have, capture again without.
+    """Capture, then run the stage's passes. Whether the step ``reads_incoming_grads`` (accumulates into a
+    ``.grad`` it finds set) is learned by the first build (None): its capture offers every incoming gradient; if the
+    step reads one that this call does not have, capture again without.
     ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
     ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
     ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
     override = state.trace_value if state else None
-    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe_grads),
+    probe = reads_incoming_grads is None
+    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe),
                        checkpoint, specs)
     read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
     if not read <= set(present_grads(binding)):
@@ -247,8 +249,10 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
-    if ctx.stage >= 1 or mixed is not None:
-        _refuse_gradients_left_between_calls(captured, binding, args, ctx.stage, mixed)
+    if mixed is not None:
+        _refuse_gradients_left_between_calls(captured, binding, args, mixed)
+    if ctx.stage >= 1 and (bool(read) if probe else reads_incoming_grads):
+        ctx.grads_kept = _grads_left_for_next_call(captured, binding, args, specs)
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
     if dump_dir:
         dump.write(dump_dir, 0, "capture", captured.gm)
@@ -269,23 +273,42 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, bool(read), snapshots)
 
 
-def _refuse_gradients_left_between_calls(captured: CapturedStep, binding: StepBinding, args: tuple, stage: int,
-                                        mixed: MixedPrecision | None) -> None:
-    """Eager leaves a gradient an optimizer holds but did not step with in ``.grad``, for a later call to accumulate
-    into (an update every k-th call, or one optimizer of two stepping); from stage 1 on, and under mixed precision,
-    gradients live inside the step and would be lost between calls. (A parameter no optimizer holds keeps a gradient
-    nothing reads.)"""
-    held = {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
+def _held_by_an_optimizer(binding: StepBinding, args: tuple) -> set[str]:
+    return {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
             for p in group["params"]}
+
+
+def _refuse_gradients_left_between_calls(captured: CapturedStep, binding: StepBinding, args: tuple,
+                                        mixed: MixedPrecision) -> None:
+    """Eager leaves a gradient an optimizer holds but did not step with in ``.grad``, for a later call to accumulate
+    into (an update every k-th call, or one optimizer of two stepping); under mixed precision gradients live inside
+    the step (in ``param_dtype``) and would be lost between calls. (A parameter no optimizer holds keeps a gradient
+    nothing reads.)"""
+    held = _held_by_an_optimizer(binding, args)
     left = sorted((captured.grads_left & held) - set(StepGraph(captured.gm).updated_params()))
     if left:
-        where = f"at stage {stage}" if stage >= 1 else "under mixed precision"
         raise CaptureError(
             f"the train step leaves the gradient of '{left[0]}' in .grad without an optimizer.step() using it "
-            f"(gradients accumulated across calls); {where} gradients live inside the step and are not kept between "
-            "calls",
+            "(gradients accumulated across calls); under mixed precision gradients live inside the step and are "
+            "not kept between calls",
             hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
-                 "optimizer.step())" + ("" if mixed else ", or use stage 0"))
+                 "optimizer.step())")
+
+
+def _grads_left_for_next_call(captured: CapturedStep, binding: StepBinding, args: tuple,
+                              specs: DTensorSpecs | None) -> frozenset[str]:
+    """From stage 1 on, for a step that accumulates into the ``.grad`` it finds: the gradients it leaves that an
+    optimizer holds, which the next call adds to (those of an update every k-th call, say). The step keeps this
+    rank's shard of each. (A parameter no optimizer holds keeps a gradient nothing reads.)"""
+    kept = captured.grads_left & _held_by_an_optimizer(binding, args)
+    split = sorted(f for f in kept if specs is not None and specs.of(Slot(Role.GRAD_OUT, f)) is not None)
+    if split:
+        raise CaptureError(
+            f"the train step leaves the gradient of tensor-parallel parameter '{split[0]}' for its next call; "
+            "gradients kept between calls are supported for parameters that are not DTensors",
+            hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
+                 "optimizer.step())")
+    return frozenset(kept)
 
 
 def _write_timeline(dump_dir: str, snapshots: dict[str, GraphSnapshot]) -> None:
@@ -310,8 +333,11 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
             return compiled.arena()
         return state.lookup(slot) if state else None
 
+    keeps_grads = state is not None and state.stage >= 1  # from stage 1 on, what the step leaves it keeps itself
+    if keeps_grads:
+        state.take_back_grads(binding, compiled.grads_read)
     _release_unread_grads(binding, compiled.grads_read)
-    _move_read_grads_out_of_arena(binding, compiled)
+    _move_read_grads_out_of_arena(binding, compiled, state)
     compiled.shared_arena.release_if_held_elsewhere()
     needs_lookup = state is not None or compiled.takes_rank_or_arena
     inputs = input_values(binding, args, compiled.input_slots, for_trace=False,
@@ -328,11 +354,14 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
         collectives.settle_pending()  # a step that issued no collective still checks its rank agreement
     user_leaves = dict(compiled.captured.user_out_constants)
     optimizers = binding.optimizers(args)
+    kept_grads = {}
     for slot, value in zip(compiled.output_slots, outputs):
         spec = specs.of(slot) if specs else None
         value = value if spec is None else wrap(value, spec)
         if slot.role == Role.USER_OUTPUT:
             user_leaves[int(slot.key)] = value
+        elif slot.role == Role.GRAD_OUT and keeps_grads:
+            kept_grads[slot.fqn] = value
         elif slot.role == Role.GRAD_OUT:
             binding.params[slot.fqn].grad = value
         elif slot.role == Role.NEW_STATE:
@@ -342,6 +371,8 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
     for fqn, p in binding.trainable().items():
         if fqn not in compiled.left_grads:
             p.grad = None  # the step left no gradient (zero_grad at its end, or a sharded stage)
+    if keeps_grads:
+        state.keep_grads(binding, kept_grads)
     if compiled.captured.modes_left is not None:
         for modules, modes in zip(binding.submodules(args), compiled.captured.modes_left):
             for module, training in zip(modules, modes):
@@ -359,13 +390,17 @@ def _release_unread_grads(binding: StepBinding, read: frozenset[str]) -> None:
             p.grad = None
 
 
-def _move_read_grads_out_of_arena(binding: StepBinding, compiled: CompiledGraph) -> None:
+def _move_read_grads_out_of_arena(binding: StepBinding, compiled: CompiledGraph, state: ShardedState | None) -> None:
     """A step that reads incoming gradients gets them in memory of their own when the last step left them in the
-    arena: this step's planned buffers are about to be written there."""
+    arena (in ``.grad``, or from stage 1 on kept by the state): this step's planned buffers are about to be written
+    there."""
     arena = compiled.shared_arena
+    kept = state.kept_grads if state is not None else {}
     for fqn in compiled.grads_read:
         p = binding.params[fqn]
-        if p.grad is not None and arena.holds(local(p.grad)):
+        if fqn in kept and arena.holds(kept[fqn]):
+            kept[fqn] = kept[fqn].clone()
+        elif fqn not in kept and p.grad is not None and arena.holds(local(p.grad)):
             p.grad = p.grad.clone()
 
 

@@ -40,6 +40,10 @@ class ShardedState:
     module_params: dict[str, torch.Tensor] = field(default_factory=dict)  # the module's, by fqn (frozen ones stay)
     frozen_casts: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)  # mixed: frozen, in param_dtype
     group: dist.ProcessGroup | None = None  # the ranks the shards are spread over (the mesh's "dp"; None: all)
+    # stages 1-3: this rank's reduced shard of each gradient the last call left for the next to add to (an update
+    # every k-th call); the parameter's ``.grad`` meanwhile holds an empty marker (`keep_grads`)
+    kept_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    _markers: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # fqn -> (marker, its version)
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
@@ -135,7 +139,37 @@ class ShardedState:
             return self.masters.get(slot.fqn)
         if slot.role == Role.OPT_STATE:
             return self.opt_state.get((slot.optimizer, slot.fqn, slot.key))
+        if slot.role == Role.GRAD_IN:
+            return self.kept_grads.get(slot.fqn)
         return None
+
+    def keep_grads(self, binding: StepBinding, grads: dict[str, torch.Tensor]) -> None:
+        """Hold ``grads`` (this rank's shards) for the next call, and drop those held before. Each parameter's
+        ``.grad`` becomes an empty marker, so that the caller sees a gradient exists and the step sees what the
+        caller does to it between calls (`take_back_grads`)."""
+        self.kept_grads, self._markers = grads, {}
+        for fqn in grads:
+            p = binding.params[fqn]
+            p.grad = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._markers[fqn] = (p.grad, p.grad._version)
+
+    def take_back_grads(self, binding: StepBinding, read: frozenset[str]) -> None:
+        """Before a call: drop the kept gradients it will not read, or whose marker ``zero_grad()`` set to None;
+        zero those whose marker it zeroed (``set_to_none=False``). A ``.grad`` set to anything else is refused."""
+        for fqn in list(self.kept_grads):
+            grad, (marker, version) = binding.params[fqn].grad, self._markers[fqn]
+            if grad is None or fqn not in read:
+                binding.params[fqn].grad = None
+                del self.kept_grads[fqn], self._markers[fqn]
+            elif grad is not marker:
+                raise CaptureError(
+                    f"the .grad of parameter '{fqn}' was replaced between calls; from stage {self.stage} on the step "
+                    "keeps this rank's shard of the gradient it left there, and .grad holds only a marker",
+                    source=user_frame(),
+                    hint="leave .grad to the step (zero_grad() is fine), or use stage 0")
+            elif marker._version != version:  # zeroed in place
+                self.kept_grads[fqn].zero_()
+                self._markers[fqn] = (marker, marker._version)
 
     def trace_value(self, slot: Slot):
         """A stand-in of the full shape for a re-trace after the originals were released (never read)."""
@@ -148,6 +182,9 @@ class ShardedState:
             stored = self.stored(slot.fqn)
             dtype = stored.dtype if slot.role == Role.MASTER else layout.dtype
             return torch.empty(layout.shape, dtype=dtype, device=stored.device)
+        if slot.role == Role.GRAD_IN and slot.fqn in self.kept_grads:
+            layout = self.layouts[slot.fqn]
+            return torch.empty(layout.shape, dtype=layout.dtype, device=self.kept_grads[slot.fqn].device)
         if slot.role == Role.OPT_STATE and (slot.optimizer, slot.fqn, slot.key) in self.sharded_state_keys:
             layout = self.layouts[slot.fqn]
             value = self.opt_state[(slot.optimizer, slot.fqn, slot.key)]

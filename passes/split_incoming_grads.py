@@ -1,0 +1,46 @@
+"""Stages 1-3: a gradient kept from an earlier call is added to this call's reduced shard, not to a full gradient."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from zerofx.errors import CaptureError, user_frame_from_stack_trace
+from zerofx.passes.context import PassContext
+from zerofx.step_graph import Role, StepGraph, is_mutating, storage_root, tag
+
+aten = torch.ops.aten
+
+
+def split_incoming_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Expects: the captured graph; each GRAD_IN placeholder (a ``.grad`` an earlier call left: from stage 1 on,
+    this rank's reduced shard of it, which the step keeps) read by backward's accumulation into it, the
+    ``add_(incoming, contribution)`` tagged as its gradient, or not by backward at all (an evaluation, a parameter
+    this call computes no gradient for: the optimizer or the graph's output then reads it as it is).
+
+    Guarantees: backward computes this call's own gradient, as if ``.grad`` had been empty: the accumulation becomes
+    a ``detach`` of the contribution (a ``clone`` where a later micro-batch adds into it), so the passes after
+    reduce only what this call computed; ``reduce_scatter_grads`` adds the placeholder, sharded by
+    ``shard_optimizer_state``, to the reduced shard. Any other read of an incoming gradient is refused, naming the
+    parameter and the op.
+    """
+    sg = StepGraph(gm)
+    for fqn, incoming in sg.placeholders(Role.GRAD_IN).items():
+        accumulations = [u for u in incoming.users if is_mutating(u) and storage_root(u) is incoming]
+        others = [u for u in incoming.users if u not in accumulations and u.op != "output"
+                  and not (tag(u) is not None and tag(u).in_optimizer_step)]
+        if others or len(accumulations) > 1 or any(u.target != aten.add_.Tensor or u.args[0] is not incoming
+                                                   for u in accumulations):
+            node = (others or accumulations)[0]
+            raise CaptureError(
+                f"the train step reads the gradient of '{fqn}' an earlier call left in .grad ({node.target}) other "
+                f"than by accumulating into it in backward; at stage {ctx.stage} the step keeps only this rank's "
+                "shard of it between calls",
+                source=user_frame_from_stack_trace(node.meta.get("stack_trace")))
+        for accumulation in accumulations:
+            contribution = accumulation.args[1]
+            added_to_later = any(is_mutating(u) and u.args[0] is accumulation for u in accumulation.users)
+            accumulation.target = aten.clone.default if added_to_later else aten.detach.default
+            accumulation.args, accumulation.kwargs = (contribution,), {}
+    gm.recompile()
+    return gm
