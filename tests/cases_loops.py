@@ -427,7 +427,7 @@ _CALLS = [(True, False), (False, False), (True, True), (True, False), (True, Tru
 def accumulate_across_calls_against_ddp(rank, world_size, stage, memory_plan=None):
     """Each loop against DDP written the same way (DDP all-reduces every backward: the same sums). Returns the
     bytes of the gradients the step keeps between the calls of a window, and its traces, per loop."""
-    kept, traces = {}, {}
+    kept, traces, sent = {}, {}, []
     loops = {"update every k-th call": (_update_when_told, None),
              "zero_grad() outside, set to None": (_update_without_zero_grad, True),
              "zero_grad() outside, zeroed": (_update_without_zero_grad, False),
@@ -453,6 +453,10 @@ def accumulate_across_calls_against_ddp(rank, world_size, stage, memory_plan=Non
                 for o in (*opts, *ref_opts):
                     o.zero_grad(set_to_none=outside)
             kept[name].append(sum(g.numel() * g.element_size() for g in getattr(step._owned, "kept_grads", {}).values()))
+            if name == "update every k-th call":  # elements each kind of data collective moved, this call
+                records = [r for r in step.stats().collectives if r.purpose == "data"]
+                sent.append({kind: sum(r.numel - r.carried for r in records if r.kind == kind)
+                             for kind in sorted({r.kind for r in records})})
         full = zerofx.full_state_dict(step)
         names = {id(p): n for n, p in ref_model.named_parameters()}
         # DDP averages the accumulated gradient, zerofx the call's alone and adds: sums in another order, whose
@@ -465,4 +469,4 @@ def accumulate_across_calls_against_ddp(rank, world_size, stage, memory_plan=Non
             for p, state in ref_opt.state.items():
                 torch.testing.assert_close(opt_full["state"][names[id(p)]], state, rtol=1e-5, atol=5e-6)
         traces[name] = step.stats().traces
-    return {"kept": kept, "traces": traces}
+    return {"kept": kept, "traces": traces, "sent": sent}

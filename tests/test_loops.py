@@ -101,6 +101,20 @@ def test_gradients_accumulated_across_calls_match_ddp(ranks2, stage, memory_plan
     # SGD's gradients stay after its update, until its zero_grad() opens the next call
     sgd_half = 0 if stage == 0 else 4 * sum(p.numel() for p in model.parameters() if p.dim() < 2) // 2
     assert result["kept"]["two optimizers"] == [half, half, sgd_half, half, sgd_half, half, half, sgd_half]
+    # every training call reduces its own gradients once (Ψ elements); only an update gathers parameters after it
+    # (stages 1-2); stage 3 gathers them for forward (Ψ) and again for backward, the same in every training call
+    psi = sum(p.numel() for p in model.parameters())
+    reduced = "all_reduce" if stage == 0 else "reduce_scatter"
+    gathered_to_train = {result["sent"][i].get("all_gather") for i, (train, _) in enumerate(cases._CALLS) if train}
+    for (train, update), sent in zip(cases._CALLS, result["sent"]):
+        expected = {reduced: psi} if train else {}
+        if stage in (1, 2) and update:
+            expected["all_gather"] = psi
+        if stage == 3:
+            expected["all_gather"] = sent["all_gather"] if train else psi
+        assert sent == expected
+    if stage == 3:
+        assert len(gathered_to_train) == 1 and psi < gathered_to_train.pop() <= 2 * psi
     # a graph per kind of call: finding no gradients or some, evaluating, updating (and in the two-optimizer loop,
     # finding only SGD's, left after its update, which its zero_grad() drops)
     assert result["traces"] == {"update every k-th call": 4, "zero_grad() outside, set to None": 4,
