@@ -405,7 +405,7 @@ def _update_without_zero_grad(model, optimizer, x, y, update):
 
 
 def _head_every_call_body_every_other(model, adamw, sgd, x, y, update):
-    """Two optimizers: SGD (norms and biases) steps every call, AdamW (the matrices) when told."""
+    """Two optimizers: ``sgd`` steps every call, ``adamw`` when told."""
     if not model.training:
         with torch.no_grad():
             return model(x, y)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import cases_loops
 import zerofx
 from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
 from zerofx.binding import StepBinding
@@ -236,24 +237,6 @@ def test_at_stage_0_a_second_step_trains_the_same_model():
         torch.testing.assert_close(loss, train_step(ref_model, ref_opt, *token_batch(i, 0)).detach())
 
 
-def _update_every_other_call(model, optimizer, x, y, update):
-    model(x, y).backward()
-    if update:
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-def _two_optimizers_one_steps(model, head_opt, body_opt, x, y, update_body):
-    head_opt.zero_grad()
-    loss = model(x, y)
-    loss.backward()
-    head_opt.step()
-    if update_body:
-        body_opt.step()
-        body_opt.zero_grad()
-    return loss
-
-
 @pytest.mark.parametrize("stage", [0, 3])
 def test_gradients_accumulated_across_calls_are_refused_under_mixed_precision(stage):
     """A call that leaves gradients an optimizer holds without stepping with them (an update every k-th call; one
@@ -262,13 +245,13 @@ def test_gradients_accumulated_across_calls_are_refused_under_mixed_precision(st
     mixed = zerofx.MixedPrecision(torch.bfloat16)
     model, opt = gpt_and_adamw()
     with pytest.raises(zerofx.CaptureError, match="without an optimizer.step\\(\\) using it"):
-        zerofx.compile(_update_every_other_call, stage=stage, mixed_precision=mixed)(
+        zerofx.compile(cases_loops._update_when_told, stage=stage, mixed_precision=mixed)(
             model, opt, *token_batch(0, 0), False)
     model, _ = gpt_and_adamw()
-    head, body = torch.optim.SGD(model.ln_f.parameters(), lr=0.1), torch.optim.SGD(model.blocks.parameters())
+    body, head = torch.optim.SGD(model.blocks.parameters()), torch.optim.SGD(model.ln_f.parameters(), lr=0.1)
     with pytest.raises(zerofx.CaptureError, match="gradient of 'blocks.0.*without an optimizer.step"):
-        zerofx.compile(_two_optimizers_one_steps, stage=stage, mixed_precision=mixed)(
-            model, head, body, *token_batch(0, 0), False)
+        zerofx.compile(cases_loops._head_every_call_body_every_other, stage=stage, mixed_precision=mixed)(
+            model, body, head, *token_batch(0, 0), False)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
