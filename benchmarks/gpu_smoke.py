@@ -2,6 +2,7 @@
 stage 0 as the loop is usually written and at stage 3 with zero_grad after the update and a short last batch;
 stage 3 in bf16 (casts of the masters gathered, or bf16 shards kept) trains and stays within bf16 rounding of
 eager; stage 3 with every block checkpointed and its checkpoints offloaded to pinned host memory matches eager too;
+stage 3 with gradients accumulated across calls (an update every second call) matches eager;
 stage 0 (planned by default) and stage 3 with ``memory_plan`` (intermediates in one arena) match eager, and so do
 stage 0 with ``memory_plan=False`` and stage 3 at its default; each line prints
 ``max_memory_reserved`` beside ``max_memory_allocated`` and the allocations a step asks the caching allocator for,
@@ -23,6 +24,7 @@ Prints one line per check, runs every check whatever an earlier one did, and exi
 import argparse
 import gc
 import importlib
+import itertools
 import os
 import statistics
 import sys
@@ -51,6 +53,27 @@ def zero_grad_last(model, optimizer, x, y):
     optimizer.step()
     optimizer.zero_grad()
     return loss
+
+
+def update_when_told(model, optimizer, x, y, update):
+    """Gradients accumulated across calls: backward every call, the update when the caller says."""
+    loss = model(x, y)
+    (loss / 2).backward()
+    if update:
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
+def every_other_call(fn):
+    """``fn(model, optimizer, x, y, update)`` as a four-argument step that updates on every second call."""
+    calls = itertools.count()
+
+    def step(model, optimizer, x, y):
+        return fn(model, optimizer, x, y, next(calls) % 2 == 1)
+
+    step.compiled = fn
+    return step
 
 
 def through_backend(stage):
@@ -99,8 +122,8 @@ def run(name, cfg, device, make_step, fn):
           f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB, reserved "
           f"{torch.cuda.max_memory_reserved() / 2**20:.1f} MiB")
     _release_device_memory()  # reserved memory is measured per check
-    if isinstance(step, zerofx.CompiledStep):
-        full = zerofx.full_state_dict(step)["model"]
+    if isinstance(getattr(step, "compiled", step), zerofx.CompiledStep):
+        full = zerofx.full_state_dict(getattr(step, "compiled", step))["model"]
     elif getattr(step, "prepared", None):
         full = zerofx.full_state_dict(zerofx.prepared(step.prepared["model"]))["model"]
     else:
@@ -111,8 +134,9 @@ def run(name, cfg, device, make_step, fn):
 def checks(device) -> int:
     """Run every check; the number that failed."""
     cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
-    eager = {fn.__name__: run(f"eager {fn.__name__}", cfg, device, lambda f: f, fn)
-             for fn in (train_step, zero_grad_last)}
+    eager = {fn.__name__: run(f"eager {fn.__name__}", cfg, device, make_step, fn)
+             for fn, make_step in ((train_step, lambda f: f), (zero_grad_last, lambda f: f),
+                                   (update_when_told, every_other_call))}
     checks = [("zerofx stage 0", train_step, {"stage": 0}, 1e-4),  # planned: the default at stage 0
               ("zerofx stage 0 unplanned", train_step, {"stage": 0, "memory_plan": False}, 1e-4),
               ("zerofx stage 3", zero_grad_last, {"stage": 3}, 1e-4),
@@ -125,6 +149,8 @@ def checks(device) -> int:
               ("zerofx stage 3 memory_plan", zero_grad_last, {"stage": 3, "memory_plan": True}, 1e-4)]
     steps = [(name, fn, lambda f, kwargs=kwargs: zerofx.compile(f, **kwargs), rtol)
              for name, fn, kwargs, rtol in checks]
+    steps.append(("zerofx stage 3 accumulating", update_when_told,  # its shards kept between calls
+                  lambda f: every_other_call(zerofx.compile(f, stage=3)), 1e-4))
     steps += [(f"backend stage {stage}", fn, through_backend(stage), 1e-4)
               for stage, fn in ((0, train_step), (3, zero_grad_last))]
     failed, results = 0, {}
