@@ -28,8 +28,8 @@ from zerofx.passes.reduce_scatter_grads import reduce_scatter_grads
 from zerofx.passes.remove_profiler_ops import remove_profiler_ops
 from zerofx.passes.schedule_collectives import schedule_collectives
 from zerofx.passes.shard_optimizer_state import shard_optimizer_state
-from zerofx.passes.split_incoming_grads import split_incoming_grads
 from zerofx.passes.skip_nonfinite_update import skip_nonfinite_update
+from zerofx.passes.split_incoming_grads import split_incoming_grads
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
@@ -40,15 +40,15 @@ _EVERY_STAGE: tuple[Pass, ...] = (remove_profiler_ops, checkpoint_activations, p
 _STAGES: dict[int, tuple[Pass, ...]] = {
     0: (*_EVERY_STAGE, bucket_allreduce, fold_aliases, schedule_collectives, carry_rank_agreement,
         plan_scalar_operands, plan_memory),
-    1: (*_EVERY_STAGE, split_incoming_grads, shard_optimizer_state, reduce_scatter_grads, global_grad_norm, allgather_params,
-        propagate_shard_shapes, fold_aliases, schedule_collectives, plan_scalar_operands,
+    1: (*_EVERY_STAGE, split_incoming_grads, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
+        allgather_params, propagate_shard_shapes, fold_aliases, schedule_collectives, plan_scalar_operands,
         plan_memory),
-    2: (*_EVERY_STAGE, split_incoming_grads, shard_optimizer_state, reduce_scatter_grads, global_grad_norm, allgather_params,
-        propagate_shard_shapes, fold_aliases, schedule_collectives, plan_scalar_operands,
+    2: (*_EVERY_STAGE, split_incoming_grads, shard_optimizer_state, reduce_scatter_grads, global_grad_norm,
+        allgather_params, propagate_shard_shapes, fold_aliases, schedule_collectives, plan_scalar_operands,
         plan_memory),
-    3: (*_EVERY_STAGE, split_incoming_grads, shard_optimizer_state, gather_params, cast_params_at_gather, reduce_scatter_grads,
-        global_grad_norm, propagate_shard_shapes, fold_aliases, schedule_collectives, plan_scalar_operands,
-        plan_memory),
+    3: (*_EVERY_STAGE, split_incoming_grads, shard_optimizer_state, gather_params, cast_params_at_gather,
+        reduce_scatter_grads, global_grad_norm, propagate_shard_shapes, fold_aliases, schedule_collectives,
+        plan_scalar_operands, plan_memory),
 }
 
 

@@ -17,7 +17,8 @@ aten = torch.ops.aten
 
 def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Expects: ``ctx.artifacts["layouts"]`` from ``shard_optimizer_state``; GRAD-tagged gradient nodes per
-    micro-batch (backward accumulating into ``.grad`` with ``add_`` from the second micro-batch on).
+    micro-batch (backward accumulating into ``.grad`` with ``add_`` from the second micro-batch on), computed as if
+    ``.grad`` had been empty where ``split_incoming_grads`` names an incoming gradient to add.
 
     Guarantees: gradients are grouped, in the order backward produces them, at stages 2-3 into the model's units
     (as ``gather_params`` groups parameters), at stage 1 (or given ``bucket_bytes``) into buckets whose padded size is
@@ -44,9 +45,9 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     if not any(f in layouts for f in sg.tagged(Role.GRAD)):
         return gm  # no gradient to shard: a forward graph of torch.compile's
     rounds = range(micro) if ctx.stage >= 2 else [micro - 1]
-    # a shard an earlier call kept (``split_incoming_grads``) is where this call's first reduced shard is added
-    accumulated = {f: incoming for f, incoming in sg.placeholders(Role.GRAD_IN).items()
-                   if f in layouts and f in sg.tagged(Role.GRAD)}
+    # a shard an earlier call kept is where this call's first reduced shard is added
+    split = ctx.artifacts.get("incoming_grads", set())
+    accumulated = {f: incoming for f, incoming in sg.placeholders(Role.GRAD_IN).items() if f in split and f in layouts}
     for mb in rounds:
         grads = {f: g for f, g in sg.tagged(Role.GRAD, mb).items() if f in layouts}
         first_of_many = ctx.stage >= 2 and mb == 0

@@ -20,11 +20,12 @@ def split_incoming_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
 
     Guarantees: backward computes this call's own gradient, as if ``.grad`` had been empty: the accumulation becomes
     a ``detach`` of the contribution (a ``clone`` where a later micro-batch adds into it), so the passes after
-    reduce only what this call computed; ``reduce_scatter_grads`` adds the placeholder, sharded by
-    ``shard_optimizer_state``, to the reduced shard. Any other read of an incoming gradient is refused, naming the
-    parameter and the op.
+    reduce only what this call computed. Leaves ``ctx.artifacts["incoming_grads"]``: the parameters whose placeholder
+    ``reduce_scatter_grads`` must add (sharded by ``shard_optimizer_state``) to this call's reduced shard. Any other
+    read of an incoming gradient is refused, naming the parameter and the op.
     """
     sg = StepGraph(gm)
+    ctx.artifacts["incoming_grads"] = split = set()
     for fqn, incoming in sg.placeholders(Role.GRAD_IN).items():
         accumulations = [u for u in incoming.users if is_mutating(u) and storage_root(u) is incoming]
         others = [u for u in incoming.users if u not in accumulations and u.op != "output"
@@ -42,5 +43,6 @@ def split_incoming_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             added_to_later = any(is_mutating(u) and u.args[0] is accumulation for u in accumulation.users)
             accumulation.target = aten.clone.default if added_to_later else aten.detach.default
             accumulation.args, accumulation.kwargs = (contribution,), {}
+            split.add(fqn)
     gm.recompile()
     return gm

@@ -396,10 +396,24 @@ def _update_when_told(model, optimizer, x, y, update):
 
 
 def _update_without_zero_grad(model, optimizer, x, y, update):
-    """zero_grad() outside the step, after an update: the step leaves every gradient, updated with or not."""
+    """zero_grad() outside the step: after an update, and to drop a window's gradients (a bad batch)."""
     loss = model(x, y)
     (loss / 2).backward()
     if update:
+        optimizer.step()
+    return loss
+
+
+def _zero_grad_opening_each_window(model, optimizer, x, y, update):
+    """``update``: "first", "middle" or "last" call of the window."""
+    if not model.training:
+        with torch.no_grad():
+            return model(x, y)
+    if update == "first":
+        optimizer.zero_grad()
+    loss = model(x, y)
+    (loss / 2).backward()
+    if update == "last":
         optimizer.step()
     return loss
 
@@ -420,6 +434,7 @@ def _head_every_call_body_every_other(model, adamw, sgd, x, y, update):
 
 
 # (train, update) per call: a window of two, an evaluation inside a window, a window of three
+DROPPED_WINDOW_AT = 3  # where a loop that zeroes gradients outside the step drops the window's first call's
 _CALLS = [(True, False), (False, False), (True, True), (True, False), (True, True), (True, False), (True, False),
           (True, True)]
 
@@ -431,6 +446,7 @@ def accumulate_across_calls_against_ddp(rank, world_size, stage, memory_plan=Non
     loops = {"update every k-th call": (_update_when_told, None),
              "zero_grad() outside, set to None": (_update_without_zero_grad, True),
              "zero_grad() outside, zeroed": (_update_without_zero_grad, False),
+             "zero_grad() opening each window": (_zero_grad_opening_each_window, None),
              "two optimizers": (_head_every_call_body_every_other, None)}
     for name, (fn, outside) in loops.items():
         ref_model, model = gpt_and_adamw()[0], gpt_and_adamw()[0]
@@ -445,11 +461,13 @@ def accumulate_across_calls_against_ddp(rank, world_size, stage, memory_plan=Non
         for i, (train, update) in enumerate(_CALLS):
             x, y = token_batch(i, rank)
             ref_model.train(train), model.train(train)
+            if fn is _zero_grad_opening_each_window:
+                update = "last" if update else "first" if i == 0 or _CALLS[i - 1][1] else "middle"
             # DDP's own forward under no_grad inside a window changes its next reduction: evaluate its module
             torch.testing.assert_close(step(model, *opts, x, y, update).item(),
                                        fn(ddp if train else ref_model, *ref_opts, x, y, update).item(), rtol=1e-5,
                                        atol=0, msg=f"{name}, call {i}")
-            if outside is not None and update:
+            if outside is not None and (update or i == DROPPED_WINDOW_AT):
                 for o in (*opts, *ref_opts):
                     o.zero_grad(set_to_none=outside)
             kept[name].append(sum(g.numel() * g.element_size() for g in getattr(step._owned, "kept_grads", {}).values()))

@@ -422,3 +422,25 @@ def test_grouped_mm_traces_in_the_dtypes_its_cpu_kernel_computes_only_while_zero
         assert (out.dtype, out.shape, out.stride()) == (real.dtype, real.shape, real.stride())
     with pytest.raises(RuntimeError, match="BF16"):  # torch's own rule again outside, no answer cached from inside
         make_fx(experts, tracing_mode="fake")(tokens, weights, offsets)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_grad_the_step_did_not_leave_or_one_written_between_calls_is_refused(stage):
+    """From stage 1 on the step accumulates only into the shards it kept; the .grad markers it leaves meanwhile
+    take zero_grad() but refuse other writes (clipping outside the step would scale gradients it never saw)."""
+    model, opt = gpt_and_adamw()
+    model(*token_batch(0, 0)).backward()  # an eager backward before the first call
+    with pytest.raises(zerofx.CaptureError, match="'wte.weight' has a .grad the step did not leave"):
+        zerofx.compile(cases_loops._update_when_told, stage=stage)(model, opt, *token_batch(0, 0), False)
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(cases_loops._update_when_told, stage=stage)
+    step(model, opt, *token_batch(0, 0), False)
+    assert all(p.grad is not None and p.grad.numel() == 0 for p in model.parameters())
+    opt.zero_grad(set_to_none=False)
+    step(model, opt, *token_batch(1, 0), False)  # zeroed kept shards: accepted
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-9)
+    with pytest.raises(zerofx.CaptureError, match="'wte.weight' was written in place \\(_?(foreach_)?mul_\\)"):
+        step(model, opt, *token_batch(2, 0), True)
+    model.wte.weight.grad = None
+    with pytest.raises(zerofx.CaptureError, match="'wpe.weight' was written in place"):  # the next one still is
+        step(model, opt, *token_batch(2, 0), True)

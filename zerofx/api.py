@@ -335,7 +335,7 @@ class CompiledStep:
                           carry_agreement=c.verify_ranks and dist.is_initialized()
                           and world_size == dist.get_world_size())
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
-                                 reads_incoming_grads=self._reads_incoming_grads, checkpoint=c.checkpoint,
+                                 probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint,
                                  specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None,
                                  arena=self._arena)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:

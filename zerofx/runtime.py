@@ -38,7 +38,8 @@ log = logging.getLogger("zerofx")
 class SharedArena:
     """The bytes every cached graph of one compiled step writes its planned buffers into (``memory_plan``). Their
     runs never overlap, so one buffer as large as the largest plan serves them all: an eval-mode or short-batch trace
-    adds no arena of its own. Only the gradients a step leaves in ``.grad`` outlive its run; a run that finds
+    adds no arena of its own. Only the gradients a step leaves (in ``.grad``, or from stage 1 on the shards it
+    keeps for its next call) outlive its run, and a run that reads them moves them out first; a run that finds
     anything still holding the bytes (last step's ``.grad`` kept by the caller) leaves them to their holder and
     takes new ones."""
 
@@ -229,18 +230,16 @@ def _structure(graph: fx.Graph) -> tuple:
 
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
-          state: ShardedState | None, mixed: MixedPrecision | None, reads_incoming_grads: bool | None,
+          state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool,
           checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None,
           keep_graphs: bool = False, *, arena: SharedArena) -> CompiledGraph:
-    """Capture, then run the stage's passes. Whether the step ``reads_incoming_grads`` (accumulates into a
-    ``.grad`` it finds set) is learned by the first build (None): its capture offers every incoming gradient; if the
-    step reads one that this call does not have, capture again without.
+    """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
+    learn whether the step reads them; if it reads one that this call does not have, capture again without.
     ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
     ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
     ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
     override = state.trace_value if state else None
-    probe = reads_incoming_grads is None
-    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe),
+    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe_grads),
                        checkpoint, specs)
     read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
     if not read <= set(present_grads(binding)):
@@ -250,8 +249,9 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
     if mixed is not None:
-        _refuse_gradients_left_between_calls(captured, binding, args, mixed)
-    if ctx.stage >= 1 and (bool(read) if probe else reads_incoming_grads):
+        _refuse_gradients_left_between_calls(captured, binding, args)
+    elif ctx.stage >= 1:
+        _refuse_grads_not_kept(captured, state)
         ctx.grads_kept = _grads_left_for_next_call(captured, binding, args, specs)
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
     if dump_dir:
@@ -270,22 +270,25 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     sg = StepGraph(gm)
     outputs = sg.output_slots()
     left_grads = {s.fqn for s in outputs if s.role == Role.GRAD_OUT}
-    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, bool(read), snapshots)
+    # a step that leaves gradients for its next call reads incoming ones then (its first call may not have: one that
+    # opens a window with zero_grad()), so which exist is part of its key
+    reads = bool(read) or bool(ctx.grads_kept)
+    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, reads, snapshots)
 
 
-def _held_by_an_optimizer(binding: StepBinding, args: tuple) -> set[str]:
-    return {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
+def _left_for_next_call(captured: CapturedStep, binding: StepBinding, args: tuple) -> list[str]:
+    """The gradients a call leaves in ``.grad`` that an optimizer holds but did not step with: the next call adds to
+    them (an update every k-th call, or one optimizer of two stepping). (A parameter no optimizer holds keeps a
+    gradient nothing reads; one the step updated with is dropped, as the ``zero_grad()`` before the next use of it
+    would.)"""
+    held = {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
             for p in group["params"]}
+    return sorted((captured.grads_left & held) - set(StepGraph(captured.gm).updated_params()))
 
 
-def _refuse_gradients_left_between_calls(captured: CapturedStep, binding: StepBinding, args: tuple,
-                                        mixed: MixedPrecision) -> None:
-    """Eager leaves a gradient an optimizer holds but did not step with in ``.grad``, for a later call to accumulate
-    into (an update every k-th call, or one optimizer of two stepping); under mixed precision gradients live inside
-    the step (in ``param_dtype``) and would be lost between calls. (A parameter no optimizer holds keeps a gradient
-    nothing reads.)"""
-    held = _held_by_an_optimizer(binding, args)
-    left = sorted((captured.grads_left & held) - set(StepGraph(captured.gm).updated_params()))
+def _refuse_gradients_left_between_calls(captured: CapturedStep, binding: StepBinding, args: tuple) -> None:
+    """Under mixed precision gradients live inside the step (in ``param_dtype``): none is kept between calls."""
+    left = _left_for_next_call(captured, binding, args)
     if left:
         raise CaptureError(
             f"the train step leaves the gradient of '{left[0]}' in .grad without an optimizer.step() using it "
@@ -295,13 +298,24 @@ def _refuse_gradients_left_between_calls(captured: CapturedStep, binding: StepBi
                  "optimizer.step())")
 
 
+def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -> None:
+    """From stage 1 on a step accumulates only into the gradient shards it kept from its last call; a ``.grad`` set
+    otherwise (before the first call, say) has no shard to add."""
+    kept = state.kept_grads if state is not None else {}
+    unkept = [s.fqn for s in captured.inputs if s.role == Role.GRAD_IN and s.fqn not in kept]
+    if unkept:
+        raise CaptureError(
+            f"parameter '{unkept[0]}' has a .grad the step did not leave, and the step would accumulate into it; "
+            "from stage 1 on gradients live with the step, which keeps only those it leaves for its next call",
+            hint="call optimizer.zero_grad() before the first call, or use stage 0")
+
+
 def _grads_left_for_next_call(captured: CapturedStep, binding: StepBinding, args: tuple,
                               specs: DTensorSpecs | None) -> frozenset[str]:
-    """From stage 1 on, for a step that accumulates into the ``.grad`` it finds: the gradients it leaves that an
-    optimizer holds, which the next call adds to (those of an update every k-th call, say). The step keeps this
-    rank's shard of each. (A parameter no optimizer holds keeps a gradient nothing reads.)"""
-    kept = captured.grads_left & _held_by_an_optimizer(binding, args)
-    split = sorted(f for f in kept if specs is not None and specs.of(Slot(Role.GRAD_OUT, f)) is not None)
+    """From stage 1 on, the gradients the step keeps for its next call: this rank's shard of each
+    (`_left_for_next_call`)."""
+    kept = _left_for_next_call(captured, binding, args)
+    split = [f for f in kept if specs is not None and specs.of(Slot(Role.GRAD_OUT, f)) is not None]
     if split:
         raise CaptureError(
             f"the train step leaves the gradient of tensor-parallel parameter '{split[0]}' for its next call; "

@@ -43,7 +43,7 @@ class ShardedState:
     # stages 1-3: this rank's reduced shard of each gradient the last call left for the next to add to (an update
     # every k-th call); the parameter's ``.grad`` meanwhile holds an empty marker (`keep_grads`)
     kept_grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    _markers: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # fqn -> (marker, its version)
+    _markers: dict[str, "KeptGradMarker"] = field(default_factory=dict)
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
@@ -145,31 +145,40 @@ class ShardedState:
 
     def keep_grads(self, binding: StepBinding, grads: dict[str, torch.Tensor]) -> None:
         """Hold ``grads`` (this rank's shards) for the next call, and drop those held before. Each parameter's
-        ``.grad`` becomes an empty marker, so that the caller sees a gradient exists and the step sees what the
-        caller does to it between calls (`take_back_grads`)."""
+        ``.grad`` becomes an empty `KeptGradMarker`, so that the caller sees a gradient exists and the step sees
+        what the caller does to it between calls (`take_back_grads`)."""
         self.kept_grads, self._markers = grads, {}
         for fqn in grads:
             p = binding.params[fqn]
-            p.grad = torch.empty(0, dtype=p.dtype, device=p.device)
-            self._markers[fqn] = (p.grad, p.grad._version)
+            p.grad = self._markers[fqn] = torch.empty(0, dtype=p.dtype, device=p.device).as_subclass(KeptGradMarker)
 
     def take_back_grads(self, binding: StepBinding, read: frozenset[str]) -> None:
         """Before a call: drop the kept gradients it will not read, or whose marker ``zero_grad()`` set to None;
-        zero those whose marker it zeroed (``set_to_none=False``). A ``.grad`` set to anything else is refused."""
+        zero those whose marker it zeroed (``set_to_none=False``). Refused: reading a gradient the step does not
+        keep (a ``.grad`` set outside it), a ``.grad`` replaced or written in place otherwise."""
+        unkept = sorted(read - set(self.kept_grads))
+        if unkept:
+            raise CaptureError(
+                f"parameter '{unkept[0]}' has a .grad the step did not leave; from stage {self.stage} on gradients "
+                "live with the step, and it accumulates only into those it kept from its last call",
+                source=user_frame(), hint="call optimizer.zero_grad() before the step, or use stage 0")
         for fqn in list(self.kept_grads):
-            grad, (marker, version) = binding.params[fqn].grad, self._markers[fqn]
+            grad, marker = binding.params[fqn].grad, self._markers[fqn]
             if grad is None or fqn not in read:
                 binding.params[fqn].grad = None
                 del self.kept_grads[fqn], self._markers[fqn]
-            elif grad is not marker:
+                continue
+            writes = marker.writes
+            if grad is not marker or any(op not in KeptGradMarker.ZEROING for op in writes):
+                what = "replaced" if grad is not marker else f"written in place ({writes[0]})"
                 raise CaptureError(
-                    f"the .grad of parameter '{fqn}' was replaced between calls; from stage {self.stage} on the step "
-                    "keeps this rank's shard of the gradient it left there, and .grad holds only a marker",
+                    f"the .grad of parameter '{fqn}' was {what} between calls; from stage {self.stage} on the step "
+                    "keeps this rank's shard of the gradient it left there, and .grad holds only an empty marker",
                     source=user_frame(),
-                    hint="leave .grad to the step (zero_grad() is fine), or use stage 0")
-            elif marker._version != version:  # zeroed in place
+                    hint="leave .grad to the step (zero_grad() is fine); clip or read gradients inside the step")
+            if writes:
                 self.kept_grads[fqn].zero_()
-                self._markers[fqn] = (marker, marker._version)
+                writes.clear()
 
     def trace_value(self, slot: Slot):
         """A stand-in of the full shape for a re-trace after the originals were released (never read)."""
@@ -190,6 +199,30 @@ class ShardedState:
             value = self.opt_state[(slot.optimizer, slot.fqn, slot.key)]
             return torch.empty(layout.shape, dtype=value.dtype, device=value.device)
         return self.opt_state.get((slot.optimizer, slot.fqn, slot.key)) if slot.role == Role.OPT_STATE else None
+
+
+class KeptGradMarker(torch.Tensor):
+    """The empty tensor in ``.grad`` of a parameter whose gradient shard the step keeps between calls: it records the
+    in-place ops the caller runs on it (``zero_grad(set_to_none=False)`` zeroes it; ``clip_grad_norm_`` would scale
+    it), which the next call applies or refuses."""
+
+    ZEROING = ("zero_", "_foreach_zero_")
+    _METADATA = ("requires_grad_", "detach_")  # what zero_grad() also calls: no values change
+
+    @property
+    def writes(self) -> list[str]:
+        return self.__dict__.setdefault("_writes", [])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.startswith("__") and name not in cls._METADATA:
+            for arg in args:
+                for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                    if isinstance(t, KeptGradMarker):
+                        t.writes.append(name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 def refuse_taken(binding: StepBinding) -> None:
