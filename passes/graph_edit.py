@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from zerofx.step_graph import TAG, NodeTag, Phase, tag, users_in
+from zerofx.step_graph import TAG, NodeTag, Phase, Role, tag, users_in
 
 
 INSERTED = "zerofx_inserted"  # node.meta flag: added by a pass (its metadata is set when it is added)
@@ -43,6 +43,14 @@ def add_call(graph: fx.Graph, target: Callable, args: tuple, *, like: fx.Node, p
     if "stack_trace" in like.meta:
         node.meta["stack_trace"] = like.meta["stack_trace"]
     return node
+
+
+def keep_grad_outputs(graph: fx.Graph, kept: frozenset[str]) -> None:
+    """Drop the graph's gradient outputs (``.grad`` left to the caller) but those of the parameters ``kept``."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    pairs = [(v, s) for v, s in zip(output.args[0], tag(output).slots) if s.role != Role.GRAD_OUT or s.fqn in kept]
+    output.args = ([v for v, _ in pairs],)
+    tag(output).slots = [s for _, s in pairs]
 
 
 def saved_checkpoints(graph: fx.Graph, order: dict[fx.Node, int]) -> list[tuple[fx.Node, list[fx.Node]]]:

@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from zerofx.errors import CaptureError, user_frame_from_stack_trace
 from zerofx.passes.context import PassContext
-from zerofx.passes.graph_edit import SHARD, add_call, fake_mode_of
+from zerofx.passes.graph_edit import SHARD, add_call, fake_mode_of, keep_grad_outputs
 from zerofx.sharding import ParamLayout
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, StepGraph, tag
 
@@ -73,11 +73,7 @@ def shard_optimizer_state(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     for fqn, state in _param_shaped_state(sg, layouts):
         _as_shard(state, layouts[fqn].shard_numel, fake_mode)
 
-    output = sg.output
-    kept = [(v, s) for v, s in zip(output.args[0], tag(output).slots)
-            if s.role != Role.GRAD_OUT or s.fqn in ctx.grads_kept]
-    output.args = ([v for v, _ in kept],)
-    tag(output).slots = [s for _, s in kept]
+    keep_grad_outputs(graph, ctx.grads_kept)
     ctx.artifacts["layouts"] = layouts
     gm.recompile()
     return gm

@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.errors import CaptureError, user_frame_from_stack_trace
+from zerofx.mixed_precision import MASTER_GRAD
 from zerofx.passes.context import PassContext
 from zerofx.step_graph import Role, StepGraph, is_mutating, storage_root, tag
 
@@ -16,7 +17,8 @@ def split_incoming_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     """Expects: the captured graph; each GRAD_IN placeholder (a ``.grad`` an earlier call left: from stage 1 on,
     this rank's reduced shard of it, which the step keeps) read by backward's accumulation into it, the
     ``add_(incoming, contribution)`` tagged as its gradient, or not by backward at all (an evaluation, a parameter
-    this call computes no gradient for: the optimizer or the graph's output then reads it as it is).
+    this call computes no gradient for: the optimizer or the graph's output then reads it as it is; under mixed
+    precision the fp32 master's gradient, which the conversion of this call's gradient is added to).
 
     Guarantees: backward computes this call's own gradient, as if ``.grad`` had been empty: the accumulation becomes
     a ``detach`` of the contribution (a ``clone`` where a later micro-batch adds into it), so the passes after
@@ -29,7 +31,7 @@ def split_incoming_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     for fqn, incoming in sg.placeholders(Role.GRAD_IN).items():
         accumulations = [u for u in incoming.users if is_mutating(u) and storage_root(u) is incoming]
         others = [u for u in incoming.users if u not in accumulations and u.op != "output"
-                  and not (tag(u) is not None and tag(u).in_optimizer_step)]
+                  and not (tag(u) is not None and tag(u).in_optimizer_step) and not u.meta.get(MASTER_GRAD)]
         if others or len(accumulations) > 1 or any(u.target != aten.add_.Tensor or u.args[0] is not incoming
                                                    for u in accumulations):
             node = (others or accumulations)[0]

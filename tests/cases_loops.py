@@ -439,24 +439,31 @@ _CALLS = [(True, False), (False, False), (True, True), (True, False), (True, Tru
           (True, True)]
 
 
-def accumulate_across_calls_against_ddp(rank, world_size, stage, memory_plan=None):
-    """Each loop against DDP written the same way (DDP all-reduces every backward: the same sums). Returns the
-    bytes of the gradients the step keeps between the calls of a window, and its traces, per loop."""
-    kept, traces, sent = {}, {}, []
+def accumulate_across_calls_against_the_referee(rank, world_size, stage, precision="fp32", memory_plan=None):
+    """Each loop against the referee written the same way: DDP in fp32 (it all-reduces every backward: the same
+    sums), FSDP2 in bf16 (it reduce-scatters every backward and accumulates fp32 shards). Returns, per loop, the
+    bytes of the gradients the step keeps between the calls of a window and its traces; the data collectives of
+    each call of the first loop; in bf16, how far the parameters' updates are from FSDP2's."""
+    kept, traces, sent, update_error = {}, {}, [], {}
     loops = {"update every k-th call": (_update_when_told, None),
              "zero_grad() outside, set to None": (_update_without_zero_grad, True),
              "zero_grad() outside, zeroed": (_update_without_zero_grad, False),
              "zero_grad() opening each window": (_zero_grad_opening_each_window, None),
              "two optimizers": (_head_every_call_body_every_other, None)}
+    mixed = zerofx.MixedPrecision(PRECISIONS[precision]) if precision != "fp32" else None
     for name, (fn, outside) in loops.items():
-        ref_model, model = gpt_and_adamw()[0], gpt_and_adamw()[0]
-        ddp = DDP(ref_model)
+        if precision == "fp32":
+            ref_model = gpt_and_adamw()[0]
+            referee = DDP(ref_model)
+        else:
+            ref_model = referee = _fsdp2_gpt(PRECISIONS[precision], optimizer=lambda m: None)[0]
+        model = gpt_and_adamw()[0]
         if fn is _head_every_call_body_every_other:
             ref_opts, opts = _two_optimizers(ref_model), _two_optimizers(model)
         else:
             ref_opts, opts = (torch.optim.AdamW(ref_model.parameters(), lr=3e-3),), \
                 (torch.optim.AdamW(model.parameters(), lr=3e-3),)
-        step = zerofx.compile(fn, stage=stage, bucket_bytes=8 * 1024, memory_plan=memory_plan)
+        step = zerofx.compile(fn, stage=stage, bucket_bytes=8 * 1024, memory_plan=memory_plan, mixed_precision=mixed)
         kept[name] = []
         for i, (train, update) in enumerate(_CALLS):
             x, y = token_batch(i, rank)
@@ -465,8 +472,8 @@ def accumulate_across_calls_against_ddp(rank, world_size, stage, memory_plan=Non
                 update = "last" if update else "first" if i == 0 or _CALLS[i - 1][1] else "middle"
             # DDP's own forward under no_grad inside a window changes its next reduction: evaluate its module
             torch.testing.assert_close(step(model, *opts, x, y, update).item(),
-                                       fn(ddp if train else ref_model, *ref_opts, x, y, update).item(), rtol=1e-5,
-                                       atol=0, msg=f"{name}, call {i}")
+                                       fn(referee if train else ref_model, *ref_opts, x, y, update).item(),
+                                       rtol=1e-5 if mixed is None else 1e-2, atol=0, msg=f"{name}, call {i}")
             if outside is not None and (update or i == DROPPED_WINDOW_AT):
                 for o in (*opts, *ref_opts):
                     o.zero_grad(set_to_none=outside)
@@ -476,6 +483,13 @@ def accumulate_across_calls_against_ddp(rank, world_size, stage, memory_plan=Non
                 sent.append({kind: sum(r.numel - r.carried for r in records if r.kind == kind)
                              for kind in sorted({r.kind for r in records})})
         full = zerofx.full_state_dict(step)
+        traces[name] = step.stats().traces
+        if mixed is not None:
+            initial = gpt_and_adamw()[0].state_dict()
+            ours = torch.cat([(full["model"][n] - initial[n]).flatten() for n, _ in ref_model.named_parameters()])
+            theirs = torch.cat([(p.full_tensor() - initial[n]).flatten() for n, p in ref_model.named_parameters()])
+            update_error[name] = ((ours - theirs).norm() / theirs.norm()).item()
+            continue
         names = {id(p): n for n, p in ref_model.named_parameters()}
         # DDP averages the accumulated gradient, zerofx the call's alone and adds: sums in another order, whose
         # rounding AdamW turns into up to 2e-6 where a gradient is near zero (the attention's key biases)
@@ -486,5 +500,4 @@ def accumulate_across_calls_against_ddp(rank, world_size, stage, memory_plan=Non
         for ref_opt, opt_full in zip(ref_opts, by_optimizer):
             for p, state in ref_opt.state.items():
                 torch.testing.assert_close(opt_full["state"][names[id(p)]], state, rtol=1e-5, atol=5e-6)
-        traces[name] = step.stats().traces
-    return {"kept": kept, "traces": traces, "sent": sent}
+    return {"kept": kept, "traces": traces, "sent": sent, "update_error": update_error}

@@ -27,9 +27,9 @@ def test_eager_loop_around_the_backend_matches_ddp(beside_ddp, stage):
 
 
 @pytest.mark.parametrize("stage, last_pass, collectives", [(0, "08_bucket_allreduce", 1),
-                                                            (1, "08_reduce_scatter_grads", 1),
-                                                            (2, "08_reduce_scatter_grads", 2),
-                                                            (3, "10_reduce_scatter_grads", 5)])
+                                                            (1, "09_reduce_scatter_grads", 1),
+                                                            (2, "09_reduce_scatter_grads", 2),
+                                                            (3, "11_reduce_scatter_grads", 5)])
 def test_backend_issues_the_whole_step_paths_collectives_and_dumps_its_graphs(beside_ddp, stage, last_pass,
                                                                               collectives):
     result = beside_ddp[stage]

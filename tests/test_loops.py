@@ -85,14 +85,19 @@ def test_two_optimizers_in_fp16_scale_once_and_skip_together(ranks2, stage):
         assert result["after_overflow"] == 2.0**13
 
 
-@pytest.mark.parametrize("stage, memory_plan", [(0, None), (1, None), (2, True), (3, None)])
-def test_gradients_accumulated_across_calls_match_ddp(ranks2, stage, memory_plan):
+@pytest.mark.parametrize("stage, precision, memory_plan", [(0, "fp32", None), (1, "fp32", None), (2, "fp32", True),
+                                                        (3, "fp32", None), (0, "bf16", None), (1, "bf16", None),
+                                                        (2, "bf16", None), (3, "bf16", None)])
+def test_gradients_accumulated_across_calls_match_the_referee(ranks2, stage, precision, memory_plan):
     """An update every k-th call with an evaluation inside a window; zero_grad() outside the step after an update
     and to drop a window (set to None, or zeroed); zero_grad() opening each window; one optimizer of two stepping
-    every call. From stage 1 on, between calls the step keeps this rank's shard of each gradient an optimizer has
-    not stepped with yet, and no more. Stage 2 planned: the shards a call leaves in its arena move out before the
-    next call writes there."""
-    result = ranks2.run(cases.accumulate_across_calls_against_ddp, stage=stage, memory_plan=memory_plan)[0]
+    every call; against DDP in fp32 and FSDP2 in bf16. From stage 1 on, between calls the step keeps this rank's
+    shard of each gradient an optimizer has not stepped with yet (the fp32 master's in bf16), and no more. Stage 2
+    planned: the shards a call leaves in its arena move out before the next call writes there."""
+    result = ranks2.run(cases.accumulate_across_calls_against_the_referee, stage=stage, precision=precision,
+                        memory_plan=memory_plan)[0]
+    # in bf16 the parameters' updates: FSDP2's, to within 1% (a call's gradients left out: 94% off)
+    assert all(error < 1e-2 for error in result["update_error"].values()), result["update_error"]
     model = cases.gpt_and_adamw()[0]
     # this rank's half of every parameter (each numel is even: no padding), or of the matrices AdamW updates
     half = 0 if stage == 0 else 4 * sum(p.numel() for p in model.parameters()) // 2
@@ -118,10 +123,10 @@ def test_gradients_accumulated_across_calls_match_ddp(ranks2, stage, memory_plan
     if stage == 3:
         assert len(to_train) == 1 and psi < to_train.pop() < 2 * psi
     # a graph per kind of call: finding no gradient or some, evaluating, updating, and where zero_grad() outside set
-    # them to None, finding none in the middle of a window; at stage 0 .grad also keeps the gradients an update
-    # used (as eager does), which makes one more kind of call in two loops
+    # them to None, finding none in the middle of a window; at stage 0 in fp32 .grad also keeps the gradients an
+    # update used (as eager does), which makes one more kind of call in two loops
     traces = {"update every k-th call": 4, "zero_grad() outside, set to None": 5, "zero_grad() outside, zeroed": 4,
               "zero_grad() opening each window": 4, "two optimizers": 4}
-    if stage == 0:
+    if stage == 0 and precision == "fp32":
         traces.update({"zero_grad() opening each window": 5, "two optimizers": 5})
     assert result["traces"] == traces

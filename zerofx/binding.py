@@ -125,19 +125,12 @@ def _collect(named, prefix, canonical: dict, aliases: dict) -> None:
         aliases[full] = by_id[id(t)]
 
 
-def incoming_grads(binding: StepBinding, mixed: MixedPrecision | None, *, probe: bool) -> list[str]:
+def incoming_grads(binding: StepBinding, *, probe: bool) -> list[str]:
     """The trainable parameters whose incoming ``.grad`` a trace gives the step: those that have one as the step is
     called, or with ``probe`` every one (stand-ins where there is none), to learn whether the step reads them at all
-    (it does not when it resets gradients before backward). Under mixed precision gradients live inside the step."""
-    present = present_grads(binding)
-    if present and mixed is not None:
-        raise CaptureError(
-            f"parameter '{present[0]}' has a .grad when the step is called; under mixed precision gradients exist "
-            "only inside the step (in param_dtype), so one left from outside cannot be accumulated into",
-            hint="call optimizer.zero_grad() before computing gradients outside the step, or run backward inside it")
-    if mixed is not None:
-        return []
-    return list(binding.trainable()) if probe else present
+    (it does not when it resets gradients before backward). Under mixed precision it is the fp32 master's gradient
+    (`MixedPrecisionTrace`)."""
+    return list(binding.trainable()) if probe else present_grads(binding)
 
 
 def present_grads(binding: StepBinding) -> list[str]:

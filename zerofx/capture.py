@@ -99,8 +99,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
         local_fakes = {i: local(f) for i, f in fakes.items()}
         optimizer_targets = {fqn: local(p) for fqn, p in {**fake_params, **fake_masters}.items()}
         for i, s in enumerate(slots):
-            if s.role == Role.GRAD_IN:
-                fake_params[s.fqn].grad = fakes[i]
+            if s.role == Role.GRAD_IN:  # under mixed precision, the fp32 master's gradient
+                (fake_masters or fake_params)[s.fqn].grad = fakes[i]
         batch_fakes = iter(fakes[i] for i, s in enumerate(slots) if s.role == Role.BATCH)
         batch = pytree.tree_map_only(torch.Tensor, lambda _: next(batch_fakes), batch_structure)
         call_args = list(args)
@@ -258,8 +258,8 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
             constants[i] = leaf
     out_meta["spec"], out_meta["constants"] = spec, constants
     out_meta["grads_left"] = frozenset(f for f, p in {**fake_params, **fake_masters}.items() if p.grad is not None)
-    for fqn, p in fake_params.items():
-        if p.grad is not None and not any(s.role == Role.MASTER for s in slots):  # mixed: grads stay inside
+    for fqn, p in (fake_masters or fake_params).items():  # mixed: the fp32 masters' (runtime.build keeps some)
+        if p.grad is not None:
             emit(p.grad, Slot(Role.GRAD_OUT, fqn))
     input_fakes = {id(local(fakes[i])) for i in range(len(slots))}
     fqn_of_fake = {id(local(p)): fqn for fqn, p in {**fake_params, **fake_masters}.items()}

@@ -66,7 +66,8 @@ class MixedPrecisionTrace:
 
     Forward and backward run on the compute parameters (``param_dtype``). When a backward ends, each master weight
     takes its gradient: the compute gradient cast to fp32 and, with loss scaling, unscaled (GradScaler's
-    ``unscale_``), with "a gradient is not finite" computed from all of them once. From then until the next forward
+    ``unscale_``) added to the fp32 gradient an earlier call left, with "a gradient is not finite" computed from all
+    of them once. From then until the next forward
     the module shows the master weights, so user code after backward (``clip_grad_norm_``, logging) reads fp32
     unscaled gradients, and any number of optimizers update masters. After each optimizer's step its compute
     parameters take their masters' values; at the end of the step the scale is updated once
@@ -78,6 +79,7 @@ class MixedPrecisionTrace:
         self.compute, self.masters, self.views = compute, masters, views
         self._shown = contextlib.ExitStack()
         self._found = None
+        self._incoming: dict = {}  # fqn -> the master's gradient as the first backward found it
         self.conversions: list[list] = []  # graph nodes each backward's conversion made; all but the last are dropped
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -91,9 +93,11 @@ class MixedPrecisionTrace:
         inverse = None if self.scaling is None else self.scale.double().reciprocal().float()
         checks = []
         for fqn, m in self.masters.items():
+            # what a later micro-batch's conversion adds to: the gradient an earlier call left (or None)
+            incoming = self._incoming.setdefault(fqn, m.grad)
             g = self.compute[fqn].grad
             if g is None:
-                m.grad = None
+                m.grad = incoming
                 continue
             m.grad = g.to(m.dtype)
             _flag(m.grad, MASTER_GRAD)
@@ -101,6 +105,9 @@ class MixedPrecisionTrace:
                 m.grad.mul_(inverse)
                 checks.append(torch.isfinite(m.grad).all())
                 _flag(checks[-1], PER_TENSOR_CHECK)
+            if incoming is not None:
+                m.grad = incoming + m.grad
+                _flag(m.grad, MASTER_GRAD)
         if checks:
             self._found = torch.stack(checks).all().logical_not().float()
             _flag(self._found, FOUND_INF)

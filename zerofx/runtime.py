@@ -28,6 +28,7 @@ from zerofx.memory.pools import slot_place, slot_views
 from zerofx.mesh import DTensorSpecs, local, wrap
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext, pipeline
+from zerofx.passes.graph_edit import keep_grad_outputs
 from zerofx.sharded_state import ShardedState
 from zerofx.step_graph import Role, Slot, StepGraph
 from zerofx.units import UnitRule
@@ -239,20 +240,21 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
     ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
     override = state.trace_value if state else None
-    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=probe_grads),
+    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=probe_grads),
                        checkpoint, specs)
     read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
     if not read <= set(present_grads(binding)):
-        captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, mixed, probe=False),
+        captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=False),
                            checkpoint, specs)
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
-    if mixed is not None:
-        _refuse_gradients_left_between_calls(captured, binding, args)
-    elif ctx.stage >= 1:
-        _refuse_grads_not_kept(captured, state)
-        ctx.grads_kept = _grads_left_for_next_call(captured, binding, args, specs)
+    if ctx.stage >= 1 or mixed is not None:
+        if ctx.stage >= 1:
+            _refuse_grads_not_kept(captured, state)
+        ctx.grads_kept = _grads_left_for_next_call(captured, binding, args, specs, mixed)
+        keep_grad_outputs(captured.gm.graph, ctx.grads_kept)  # the others live inside the step
+        captured.gm.recompile()
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
     if dump_dir:
         dump.write(dump_dir, 0, "capture", captured.gm)
@@ -286,18 +288,6 @@ def _left_for_next_call(captured: CapturedStep, binding: StepBinding, args: tupl
     return sorted((captured.grads_left & held) - set(StepGraph(captured.gm).updated_params()))
 
 
-def _refuse_gradients_left_between_calls(captured: CapturedStep, binding: StepBinding, args: tuple) -> None:
-    """Under mixed precision gradients live inside the step (in ``param_dtype``): none is kept between calls."""
-    left = _left_for_next_call(captured, binding, args)
-    if left:
-        raise CaptureError(
-            f"the train step leaves the gradient of '{left[0]}' in .grad without an optimizer.step() using it "
-            "(gradients accumulated across calls); under mixed precision gradients live inside the step and are "
-            "not kept between calls",
-            hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
-                 "optimizer.step())")
-
-
 def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -> None:
     """From stage 1 on a step accumulates only into the gradient shards it kept from its last call; a ``.grad`` set
     otherwise (before the first call, say) has no shard to add."""
@@ -310,11 +300,18 @@ def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -
             hint="call optimizer.zero_grad() before the first call, or use stage 0")
 
 
-def _grads_left_for_next_call(captured: CapturedStep, binding: StepBinding, args: tuple,
-                              specs: DTensorSpecs | None) -> frozenset[str]:
-    """From stage 1 on, the gradients the step keeps for its next call: this rank's shard of each
-    (`_left_for_next_call`)."""
+def _grads_left_for_next_call(captured: CapturedStep, binding: StepBinding, args: tuple, specs: DTensorSpecs | None,
+                              mixed: MixedPrecision | None) -> frozenset[str]:
+    """From stage 1 on, or under mixed precision, the gradients the step keeps for its next call
+    (`_left_for_next_call`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
+    precision."""
     kept = _left_for_next_call(captured, binding, args)
+    if kept and mixed is not None and mixed.scaling is not None:
+        raise CaptureError(
+            f"the train step leaves the gradient of '{kept[0]}' for its next call under float16 loss scaling; the "
+            "scale is updated once per call, where GradScaler's users update it once per optimizer step",
+            hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
+                 "optimizer.step()), or use bfloat16")
     split = [f for f in kept if specs is not None and specs.of(Slot(Role.GRAD_OUT, f)) is not None]
     if split:
         raise CaptureError(

@@ -191,9 +191,9 @@ class ShardedState:
             stored = self.stored(slot.fqn)
             dtype = stored.dtype if slot.role == Role.MASTER else layout.dtype
             return torch.empty(layout.shape, dtype=dtype, device=stored.device)
-        if slot.role == Role.GRAD_IN and slot.fqn in self.kept_grads:
-            layout = self.layouts[slot.fqn]
-            return torch.empty(layout.shape, dtype=layout.dtype, device=self.kept_grads[slot.fqn].device)
+        if slot.role == Role.GRAD_IN and slot.fqn in self.kept_grads:  # the fp32 master's under mixed precision
+            kept = self.kept_grads[slot.fqn]
+            return torch.empty(self.layouts[slot.fqn].shape, dtype=kept.dtype, device=kept.device)
         if slot.role == Role.OPT_STATE and (slot.optimizer, slot.fqn, slot.key) in self.sharded_state_keys:
             layout = self.layouts[slot.fqn]
             value = self.opt_state[(slot.optimizer, slot.fqn, slot.key)]
