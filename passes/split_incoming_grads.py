@@ -16,9 +16,10 @@ aten = torch.ops.aten
 def split_incoming_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Expects: the captured graph; each GRAD_IN placeholder (a ``.grad`` an earlier call left: from stage 1 on,
     this rank's reduced shard of it, which the step keeps) read by backward's accumulation into it, the
-    ``add_(incoming, contribution)`` tagged as its gradient, or not by backward at all (an evaluation, a parameter
-    this call computes no gradient for: the optimizer or the graph's output then reads it as it is; under mixed
-    precision the fp32 master's gradient, which the conversion of this call's gradient is added to).
+    ``add_(incoming, contribution)`` tagged as its gradient, or not by backward at all: in an evaluation, or for a
+    parameter this call computes no gradient for, the optimizer or the graph's output reads it as it is. Under mixed
+    precision it is the fp32 master's gradient, which capture already adds the conversion of this call's gradient to
+    (flagged ``MASTER_GRAD``): left as it is, and not among those ``reduce_scatter_grads`` adds.
 
     Guarantees: backward computes this call's own gradient, as if ``.grad`` had been empty: the accumulation becomes
     a ``detach`` of the contribution (a ``clone`` where a later micro-batch adds into it), so the passes after

@@ -404,13 +404,13 @@ def _update_without_zero_grad(model, optimizer, x, y, update):
     return loss
 
 
-def _zero_grad_opening_each_window(model, optimizer, x, y, update):
-    """``update``: "first", "middle" or "last" call of the window."""
+def _zero_grad_opening_each_window(model, optimizer, x, y, update, zero_grad_of="optimizer"):
+    """``update``: "first", "middle" or "last" call of the window; ``zero_grad_of`` the optimizer or the model."""
     if not model.training:
         with torch.no_grad():
             return model(x, y)
     if update == "first":
-        optimizer.zero_grad()
+        (optimizer if zero_grad_of == "optimizer" else model).zero_grad()
     loss = model(x, y)
     (loss / 2).backward()
     if update == "last":
@@ -449,6 +449,8 @@ def accumulate_across_calls_against_the_referee(rank, world_size, stage, precisi
              "zero_grad() outside, set to None": (_update_without_zero_grad, True),
              "zero_grad() outside, zeroed": (_update_without_zero_grad, False),
              "zero_grad() opening each window": (_zero_grad_opening_each_window, None),
+             "model.zero_grad() opening each window": (
+                 functools.partial(_zero_grad_opening_each_window, zero_grad_of="model"), None),
              "two optimizers": (_head_every_call_body_every_other, None)}
     mixed = zerofx.MixedPrecision(PRECISIONS[precision]) if precision != "fp32" else None
     for name, (fn, outside) in loops.items():
@@ -468,7 +470,7 @@ def accumulate_across_calls_against_the_referee(rank, world_size, stage, precisi
         for i, (train, update) in enumerate(_CALLS):
             x, y = token_batch(i, rank)
             ref_model.train(train), model.train(train)
-            if fn is _zero_grad_opening_each_window:
+            if getattr(fn, "func", fn) is _zero_grad_opening_each_window:
                 update = "last" if update else "first" if i == 0 or _CALLS[i - 1][1] else "middle"
             # DDP's own forward under no_grad inside a window changes its next reduction: evaluate its module
             torch.testing.assert_close(step(model, *opts, x, y, update).item(),

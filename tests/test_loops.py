@@ -104,7 +104,7 @@ def test_gradients_accumulated_across_calls_match_the_referee(ranks2, stage, pre
     matrices = 0 if stage == 0 else 4 * sum(p.numel() for p in model.parameters() if p.dim() >= 2) // 2
     window = [True, True, False, True, False, True, True, False]  # kept after the call: not after an update
     for name in ("update every k-th call", "zero_grad() outside, set to None", "zero_grad() outside, zeroed",
-                 "zero_grad() opening each window"):
+                 "zero_grad() opening each window", "model.zero_grad() opening each window"):
         assert result["kept"][name] == [half if kept else 0 for kept in window], name
     assert result["kept"]["two optimizers"] == [matrices if kept else 0 for kept in window]
     # every training call reduces its own gradients once (Ψ elements); only an update gathers parameters after it
@@ -126,7 +126,8 @@ def test_gradients_accumulated_across_calls_match_the_referee(ranks2, stage, pre
     # them to None, finding none in the middle of a window; at stage 0 in fp32 .grad also keeps the gradients an
     # update used (as eager does), which makes one more kind of call in two loops
     traces = {"update every k-th call": 4, "zero_grad() outside, set to None": 5, "zero_grad() outside, zeroed": 4,
-              "zero_grad() opening each window": 4, "two optimizers": 4}
+              "zero_grad() opening each window": 4, "model.zero_grad() opening each window": 4, "two optimizers": 4}
     if stage == 0 and precision == "fp32":
-        traces.update({"zero_grad() opening each window": 5, "two optimizers": 5})
+        traces.update({"zero_grad() opening each window": 5, "model.zero_grad() opening each window": 5,
+                       "two optimizers": 5})
     assert result["traces"] == traces

@@ -100,7 +100,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
         optimizer_targets = {fqn: local(p) for fqn, p in {**fake_params, **fake_masters}.items()}
         for i, s in enumerate(slots):
             if s.role == Role.GRAD_IN:  # under mixed precision, the fp32 master's gradient
-                (fake_masters or fake_params)[s.fqn].grad = fakes[i]
+                (fake_masters if mixed is not None else fake_params)[s.fqn].grad = fakes[i]
         batch_fakes = iter(fakes[i] for i, s in enumerate(slots) if s.role == Role.BATCH)
         batch = pytree.tree_map_only(torch.Tensor, lambda _: next(batch_fakes), batch_structure)
         call_args = list(args)
@@ -146,6 +146,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             stack.enter_context(track_backward(recorder, fake_params, mixed_trace))
             for path, module in checkpointed:
                 stack.enter_context(regions.watch(path, module))
+            if mixed_trace is not None:
+                stack.enter_context(_module_zero_grad_reaches_masters(fake_params, fake_masters))
             user_out = train_step(*call_args)
             if mixed_trace is not None:
                 mixed_trace.at_step_end()
@@ -193,6 +195,31 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     modes_after = binding.training_modes(args)
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
                         modes_after if modes_after != modes_before else None)
+
+
+@contextlib.contextmanager
+def _module_zero_grad_reaches_masters(compute: dict, masters: dict):
+    """Under mixed precision ``Module.zero_grad()`` also resets the fp32 masters' gradients, those kept from an
+    earlier call included: before forward the module shows its compute parameters, whose gradients are not yet
+    there, but the user means the gradients the optimizer will read."""
+    master_of = {id(c): masters[fqn] for fqn, c in compute.items() if fqn in masters}
+    original = torch.nn.Module.zero_grad
+
+    def zero_grad(module, set_to_none: bool = True):
+        original(module, set_to_none)
+        for p in module.parameters():
+            master = master_of.get(id(p))
+            if master is not None and master.grad is not None:
+                if set_to_none:
+                    master.grad = None
+                else:
+                    master.grad.zero_()
+
+    torch.nn.Module.zero_grad = zero_grad
+    try:
+        yield
+    finally:
+        torch.nn.Module.zero_grad = original
 
 
 def _refuse_python_side_effects(before: tuple, binding: StepBinding, args: tuple, train_step: Callable) -> None:
@@ -258,7 +285,8 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
             constants[i] = leaf
     out_meta["spec"], out_meta["constants"] = spec, constants
     out_meta["grads_left"] = frozenset(f for f, p in {**fake_params, **fake_masters}.items() if p.grad is not None)
-    for fqn, p in (fake_masters or fake_params).items():  # mixed: the fp32 masters' (runtime.build keeps some)
+    # under mixed precision the fp32 masters' (which runtime.build keeps only for a later call)
+    for fqn, p in (fake_masters or fake_params).items():
         if p.grad is not None:
             emit(p.grad, Slot(Role.GRAD_OUT, fqn))
     input_fakes = {id(local(fakes[i])) for i in range(len(slots))}

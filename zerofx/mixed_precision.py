@@ -3,9 +3,11 @@
 The names follow FSDP2's ``MixedPrecisionPolicy``. The step is traced with the module's parameters in
 ``param_dtype`` (so forward and backward run, and gradients come out, in that dtype; frozen parameters too) while
 the optimizer is pointed at fp32 master copies: after backward each master's gradient is the compute gradient cast
-to fp32 (and unscaled), and after the optimizer's step each compute parameter is the updated master cast back.
+to fp32 (and unscaled), added to the fp32 gradient an earlier call left where there is one (accumulation across
+calls), and after the optimizer's step each compute parameter is the updated master cast back.
 Passes shard the master weights with the optimizer state
-(P_os) and move compute parameters and gradients in the low precision: the paper's b_p = b_g = 2, K = 4 + 8.
+(P_os) and move compute parameters and gradients in the low precision: the paper's b_p = b_g = 2, K = 4 + 8 (a
+gradient kept between calls is fp32).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class MixedPrecisionTrace:
 
     Forward and backward run on the compute parameters (``param_dtype``). When a backward ends, each master weight
     takes its gradient: the compute gradient cast to fp32 and, with loss scaling, unscaled (GradScaler's
-    ``unscale_``) added to the fp32 gradient an earlier call left, with "a gradient is not finite" computed from all
+    ``unscale_``), added to the fp32 gradient an earlier call left, with "a gradient is not finite" computed from all
     of them once. From then until the next forward
     the module shows the master weights, so user code after backward (``clip_grad_norm_``, logging) reads fp32
     unscaled gradients, and any number of optimizers update masters. After each optimizer's step its compute

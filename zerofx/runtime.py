@@ -249,10 +249,10 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
+    if ctx.stage >= 1:
+        _refuse_grads_not_kept(captured, state)
     if ctx.stage >= 1 or mixed is not None:
-        if ctx.stage >= 1:
-            _refuse_grads_not_kept(captured, state)
-        ctx.grads_kept = _grads_left_for_next_call(captured, binding, args, specs, mixed)
+        ctx.grads_kept = _grads_kept_for_next_call(captured, binding, args, specs, mixed)
         keep_grad_outputs(captured.gm.graph, ctx.grads_kept)  # the others live inside the step
         captured.gm.recompile()
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
@@ -278,7 +278,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, reads, snapshots)
 
 
-def _left_for_next_call(captured: CapturedStep, binding: StepBinding, args: tuple) -> list[str]:
+def _left_unused_by_an_optimizer(captured: CapturedStep, binding: StepBinding, args: tuple) -> list[str]:
     """The gradients a call leaves in ``.grad`` that an optimizer holds but did not step with: the next call adds to
     them (an update every k-th call, or one optimizer of two stepping). (A parameter no optimizer holds keeps a
     gradient nothing reads; one the step updated with is dropped, as the ``zero_grad()`` before the next use of it
@@ -300,12 +300,12 @@ def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -
             hint="call optimizer.zero_grad() before the first call, or use stage 0")
 
 
-def _grads_left_for_next_call(captured: CapturedStep, binding: StepBinding, args: tuple, specs: DTensorSpecs | None,
+def _grads_kept_for_next_call(captured: CapturedStep, binding: StepBinding, args: tuple, specs: DTensorSpecs | None,
                               mixed: MixedPrecision | None) -> frozenset[str]:
     """From stage 1 on, or under mixed precision, the gradients the step keeps for its next call
-    (`_left_for_next_call`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
+    (`_left_unused_by_an_optimizer`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
     precision."""
-    kept = _left_for_next_call(captured, binding, args)
+    kept = _left_unused_by_an_optimizer(captured, binding, args)
     if kept and mixed is not None and mixed.scaling is not None:
         raise CaptureError(
             f"the train step leaves the gradient of '{kept[0]}' for its next call under float16 loss scaling; the "
