@@ -487,10 +487,7 @@ def accumulate_across_calls_against_the_referee(rank, world_size, stage, precisi
         full = zerofx.full_state_dict(step)
         traces[name] = step.stats().traces
         if mixed is not None:
-            initial = gpt_and_adamw()[0].state_dict()
-            ours = torch.cat([(full["model"][n] - initial[n]).flatten() for n, _ in ref_model.named_parameters()])
-            theirs = torch.cat([(p.full_tensor() - initial[n]).flatten() for n, p in ref_model.named_parameters()])
-            update_error[name] = ((ours - theirs).norm() / theirs.norm()).item()
+            update_error[name] = _update_error(full, ref_model)
             continue
         names = {id(p): n for n, p in ref_model.named_parameters()}
         # DDP averages the accumulated gradient, zerofx the call's alone and adds: sums in another order, whose
@@ -503,3 +500,48 @@ def accumulate_across_calls_against_the_referee(rank, world_size, stage, precisi
             for p, state in ref_opt.state.items():
                 torch.testing.assert_close(opt_full["state"][names[id(p)]], state, rtol=1e-5, atol=5e-6)
     return {"kept": kept, "traces": traces, "sent": sent, "update_error": update_error}
+
+
+def _update_error(full: dict, fsdp2_model) -> float:
+    """How far the parameters' updates since the start (``full``: zerofx's full state dict) are from FSDP2's."""
+    initial = gpt_and_adamw()[0].state_dict()
+    ours = torch.cat([(full["model"][n] - initial[n]).flatten() for n, _ in fsdp2_model.named_parameters()])
+    theirs = torch.cat([(p.full_tensor() - initial[n]).flatten() for n, p in fsdp2_model.named_parameters()])
+    return ((ours - theirs).norm() / theirs.norm()).item()
+
+
+# --- the update first, with the gradients the last call left -------------------------------------------------------
+
+def _update_then_backward(model, optimizer, x, y):
+    """The update with the gradients the last call left (the first call has none), then this call's backward."""
+    optimizer.step()
+    optimizer.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    return loss
+
+
+def update_first_against_the_referee(rank, world_size, precision, steps=4):
+    """At stage 0 a step that updates before its backward keeps the gradients it leaves for the next call's update
+    (under mixed precision the fp32 masters'): against DDP in fp32 and FSDP2 in bf16. Returns the bytes of the
+    gradients left after each call and, in bf16, how far the parameters' updates are from FSDP2's."""
+    if precision == "fp32":
+        ref_model = gpt_and_adamw()[0]
+        referee = DDP(ref_model)
+    else:
+        ref_model = referee = _fsdp2_gpt(PRECISIONS[precision], optimizer=lambda m: None)[0]
+    model = gpt_and_adamw()[0]
+    ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (ref_model, model))
+    mixed = zerofx.MixedPrecision(PRECISIONS[precision]) if precision != "fp32" else None
+    step = zerofx.compile(_update_then_backward, mixed_precision=mixed)
+    left = []
+    for i in range(steps):
+        x, y = token_batch(i, rank)
+        torch.testing.assert_close(step(model, opt, x, y).item(), _update_then_backward(referee, ref_opt, x, y).item(),
+                                   rtol=1e-5 if mixed is None else 1e-2, atol=0, msg=f"call {i}")
+        left.append(sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None))
+    if mixed is None:
+        assert_matches_ddp(step, ref_model, ref_opt)
+        return {"left": left}
+    return {"left": left, "update_error": _update_error(zerofx.full_state_dict(step), ref_model)}
+

@@ -444,3 +444,52 @@ def test_a_grad_the_step_did_not_leave_or_one_written_between_calls_is_refused(s
     model.wte.weight.grad = None
     with pytest.raises(zerofx.CaptureError, match="'wpe.weight' was written in place"):  # the next one still is
         step(model, opt, *token_batch(2, 0), True)
+
+
+def _two_updates(model, opt, x, y):
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        opt.zero_grad()
+        model(xs, ys).backward()
+        opt.step()
+
+
+def _evaluate_after_the_update(model, opt, x, y):
+    loss = train_step(model, opt, x, y)
+    with torch.no_grad():
+        return loss, model(x, y)
+
+
+def test_at_stage_0_two_updates_and_an_evaluation_after_the_update_train_as_eager():
+    for step_fn in (_two_updates, _evaluate_after_the_update):
+        (model, opt), (ref_model, ref_opt) = gpt_and_adamw(), gpt_and_adamw()
+        step = zerofx.compile(step_fn)
+        for i in range(2):
+            torch.testing.assert_close(step(model, opt, *token_batch(i, 0)), step_fn(ref_model, ref_opt,
+                                                                                     *token_batch(i, 0)))
+        torch.testing.assert_close(model.state_dict(), ref_model.state_dict())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("step_fn", [_two_updates, _evaluate_after_the_update])
+def test_the_model_read_after_an_update_in_the_same_call_is_refused_from_stage_1(stage, step_fn):
+    """From stage 1 on the update writes this rank's shard; the whole parameter is gathered in the next call."""
+    for mixed in (None, zerofx.MixedPrecision(torch.bfloat16)):
+        if mixed is not None and step_fn is _two_updates:
+            continue  # refused sooner, at every stage: the next test
+        model, opt = gpt_and_adamw()
+        with pytest.raises(zerofx.CaptureError, match=r"parameter 'wte.weight' is read by aten.embedding.default "
+                                                      r"after optimizer.step\(\) updated it in the same call \(at "
+                                                      r".*(test_capture|models).py:\d+: (opt|optimizer|loss = train_step)"):
+            zerofx.compile(step_fn, stage=stage, mixed_precision=mixed)(model, opt, *token_batch(0, 0))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_backward_update_backward_in_one_call_is_refused_under_mixed_precision(stage):
+    """The second backward's fp32 gradients would be converted from the sum of both backward passes' bf16 ones (the
+    update's gradients again): at stage 0 the parameters ended up to 0.01 away from two calls of one update each."""
+    model, opt = gpt_and_adamw()
+    with pytest.raises(zerofx.CaptureError, match=r"backward\(\), optimizer.step\(\), then backward\(\) again in one "
+                                                  r"call under mixed precision(.|\n)*at .*test_capture.py:\d+: "
+                                                  r"model\(xs, ys\).backward\(\)"):
+        zerofx.compile(_two_updates, stage=stage, mixed_precision=zerofx.MixedPrecision(torch.bfloat16))(
+            model, opt, *token_batch(0, 0))

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from zerofx.errors import CaptureError, user_frame
+
 
 @dataclass(frozen=True)
 class LossScaling:
@@ -83,6 +85,7 @@ class MixedPrecisionTrace:
         self._found = None
         self._incoming: dict = {}  # fqn -> the master's gradient as the first backward found it
         self.conversions: list[list] = []  # graph nodes each backward's conversion made; all but the last are dropped
+        self._stepped_after_backward = False  # an optimizer stepped after a backward of this call
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaling is None else loss.float() * self.scale
@@ -90,6 +93,13 @@ class MixedPrecisionTrace:
     def after_backward(self) -> None:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+        if self._stepped_after_backward:
+            raise CaptureError(
+                "backward(), optimizer.step(), then backward() again in one call under mixed precision: each "
+                "backward's fp32 gradients are converted from the sum of the call's low-precision gradients so far, "
+                "which an update in between would carry into the next",
+                source=user_frame(), hint="end the step with optimizer.step() and run the next backward in a call of "
+                                          "its own")
         graph = get_proxy_mode().tracer.graph
         before = len(graph.nodes)
         inverse = None if self.scaling is None else self.scale.double().reciprocal().float()
@@ -127,6 +137,7 @@ class MixedPrecisionTrace:
         self._shown.close()
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._stepped_after_backward = bool(self.conversions)
         updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
         with torch.no_grad():
             for fqn, m in self.masters.items():

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from zerofx import collectives, dump
 from zerofx.binding import StepBinding, incoming_grads, input_values, present_grads
 from zerofx.capture import CapturedStep, capture
-from zerofx.errors import CaptureError
+from zerofx.errors import CaptureError, user_frame_from_stack_trace
 from zerofx.fast_calls import Runnable, fast_calls
 from zerofx.memory import StepProbe
 from zerofx.memory import timeline
@@ -30,7 +30,7 @@ from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext, pipeline
 from zerofx.passes.graph_edit import keep_grad_outputs
 from zerofx.sharded_state import ShardedState
-from zerofx.step_graph import Role, Slot, StepGraph
+from zerofx.step_graph import Phase, Role, Slot, StepGraph, is_mutating, storage_root, tag
 from zerofx.units import UnitRule
 
 log = logging.getLogger("zerofx")
@@ -250,6 +250,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
     if ctx.stage >= 1:
+        _refuse_params_read_after_update(captured)
         _refuse_grads_not_kept(captured, state)
     if ctx.stage >= 1 or mixed is not None:
         ctx.grads_kept = _grads_kept_for_next_call(captured, binding, args, specs, mixed)
@@ -282,10 +283,41 @@ def _left_unused_by_an_optimizer(captured: CapturedStep, binding: StepBinding, a
     """The gradients a call leaves in ``.grad`` that an optimizer holds but did not step with: the next call adds to
     them (an update every k-th call, or one optimizer of two stepping). (A parameter no optimizer holds keeps a
     gradient nothing reads; one the step updated with is dropped, as the ``zero_grad()`` before the next use of it
-    would.)"""
+    would; one updated before the backward that left it is kept.)"""
     held = {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
             for p in group["params"]}
-    return sorted((captured.grads_left & held) - set(StepGraph(captured.gm).updated_params()))
+    sg = StepGraph(captured.gm)
+    updates, grads = sg.updated_params(), sg.tagged(Role.GRAD)
+
+    def stepped_with(fqn: str) -> bool:  # a step that updates first and then runs backward keeps the new gradient
+        return fqn in updates and (fqn not in grads or sg.order[updates[fqn]] > sg.order[grads[fqn]])
+
+    return sorted(f for f in captured.grads_left & held if not stepped_with(f))
+
+
+def _refuse_params_read_after_update(captured: CapturedStep) -> None:
+    """From stage 1 on the optimizer updates this rank's shard, and the whole parameter exists again only in the next
+    call's gather: forward or backward after ``optimizer.step()`` in the same call (an evaluation of the updated model,
+    a second update, a GAN's generator step through the updated discriminator) would read it stale."""
+    sg = StepGraph(captured.gm)
+    fqn_of = {node: fqn for fqn, node in sg.params().items()}
+    first_write: dict[str, fx.Node] = {}
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for arg in node.all_input_nodes:
+            fqn = fqn_of.get(storage_root(arg))
+            if fqn in first_write and tag(node).phase in (Phase.FORWARD, Phase.BACKWARD):
+                raise CaptureError(
+                    f"parameter '{fqn}' is read by {node.target} after optimizer.step() updated it in the same call "
+                    f"(at {user_frame_from_stack_trace(first_write[fqn].meta.get('stack_trace'))}); from stage 1 on "
+                    "an update writes this rank's shard, and the whole parameter is gathered again only in the next "
+                    "call", source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
+                    hint="end the step with optimizer.step() and run what reads the updated model (an evaluation, the "
+                         "next update) in a call of its own, or use stage 0")
+        root = fqn_of.get(storage_root(node))
+        if root is not None and is_mutating(node):
+            first_write.setdefault(root, node)
 
 
 def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -> None:
