@@ -30,7 +30,9 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     - stages 2-3 (P_os+g): right after backward produced the bucket's last gradient, in every micro-batch: the
       micro-batch's contribution is reduce-scattered and added to this rank's accumulated shard, the full gradients
       die as soon as they are packed, and only shards live on.
-    Gradients travel in ``ctx.reduce_dtype`` when it is set (cast just before packing). At stages 2-3 a bucket's
+    Gradients travel in ``ctx.reduce_dtype`` when it is set (cast just before packing); with several micro-batches
+    their shards are summed in the dtype every reader of the final gradient converts it to, where that is wider
+    (under mixed precision, the fp32 master gradient's). At stages 2-3 a bucket's
     wait sits where the next bucket is issued (one reduce-scatter and its packed copy in flight); the last wait (and
     every wait at stage 1) sits just before the first reader; every later reader (clipping, the optimizer) reads
     this rank's accumulated shard, which starts from the shard an earlier call kept (a GRAD_IN placeholder) where
@@ -48,6 +50,8 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     # a shard an earlier call kept is where this call's first reduced shard is added
     split = ctx.artifacts.get("incoming_grads", set())
     accumulated = {f: incoming for f, incoming in sg.placeholders(Role.GRAD_IN).items() if f in split and f in layouts}
+    final = {f: g for f, g in sg.tagged(Role.GRAD, micro - 1).items() if f in layouts}
+    summed_in = {f: _summed_in(g, sg.order) for f, g in final.items()} if len(rounds) > 1 else {}
     for mb in rounds:
         grads = {f: g for f, g in sg.tagged(Role.GRAD, mb).items() if f in layouts}
         first_of_many = ctx.stage >= 2 and mb == 0
@@ -60,13 +64,16 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             where = sg.phase_span(Phase.BACKWARD, mb)[1].next
         shards = _reduce_scatter_round(gm.graph, sg, ctx, layouts, grads, parts, where)
         for f, shard in shards.items():
+            if f in summed_in:
+                with gm.graph.inserting_after(shard):
+                    shard = categorize(cast(gm.graph, shard, summed_in[f], like=shard), "grad")
+                    shard.meta[SHARD] = True
             if f in accumulated:
                 with gm.graph.inserting_after(shard):
                     shard = add_call(gm.graph, aten.add.Tensor, (accumulated[f], shard), like=shard)
                     shard.meta[SHARD] = True
                 categorize(shard, "grad")
             accumulated[f] = shard
-    final = {f: g for f, g in sg.tagged(Role.GRAD, micro - 1).items() if f in layouts}
     for f, g in final.items():
         for user in list(g.users):
             if sg.order.get(user, -1) > sg.order[g]:
@@ -78,6 +85,20 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
                     gm.graph.erase_node(g)
     gm.recompile()
     return gm
+
+
+def _summed_in(grad: fx.Node, order: dict[fx.Node, int]) -> torch.dtype:
+    """The dtype the micro-batches' reduced shards are summed in: the gradient's own, or the wider one every later
+    reader converts it to (under mixed precision the fp32 master's, as FSDP2 sums each backward's reduced gradient
+    into fp32 shards), so no sum is rounded to the low precision first."""
+    own = grad.meta["val"].dtype
+    readers = [u for u in grad.users if order.get(u, -1) > order[grad]]
+    wider = {u.kwargs.get("dtype") for u in readers if u.target is aten._to_copy.default}
+    if readers and len(wider) == 1 and len(readers) == sum(u.target is aten._to_copy.default for u in readers):
+        dtype = wider.pop()
+        if dtype is not None and dtype.is_floating_point and dtype.itemsize > own.itemsize:
+            return dtype
+    return own
 
 
 def _reduce_scatter_round(graph: fx.Graph, sg: StepGraph, ctx: PassContext, layouts: dict[str, ParamLayout],

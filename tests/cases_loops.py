@@ -545,3 +545,30 @@ def update_first_against_the_referee(rank, world_size, precision, steps=4):
         return {"left": left}
     return {"left": left, "update_error": _update_error(zerofx.full_state_dict(step), ref_model)}
 
+
+
+# --- micro-batches inside one call ---------------------------------------------------------------------------------
+
+def _two_microbatches(model, optimizer, x, y):
+    optimizer.zero_grad()
+    total = 0
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        loss = model(xs, ys) / 2
+        loss.backward()
+        total = total + loss.detach()
+    optimizer.step()
+    return total
+
+
+def microbatches_in_bf16_against_fsdp2(rank, world_size, stage, steps=3):
+    """Two micro-batches per call in bf16 against FSDP2, which reduces each backward's gradients and sums them into
+    fp32 shards. Returns how far the parameters' updates are from FSDP2's."""
+    ref_model = _fsdp2_gpt(torch.bfloat16, optimizer=lambda m: None)[0]
+    model = gpt_and_adamw()[0]
+    ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (ref_model, model))
+    step = zerofx.compile(_two_microbatches, stage=stage, mixed_precision=zerofx.MixedPrecision(torch.bfloat16))
+    for i in range(steps):
+        x, y = token_batch(i, rank, batch=8)
+        torch.testing.assert_close(step(model, opt, x, y), _two_microbatches(ref_model, ref_opt, x, y), rtol=1e-2,
+                                   atol=0, msg=f"call {i}")
+    return _update_error(zerofx.full_state_dict(step), ref_model)
