@@ -14,6 +14,7 @@ from zerofx.binding import StepBinding
 from zerofx.capture import capture
 from zerofx.memory.lifetimes import lifetimes, peak_live
 from zerofx.passes import PassContext, pipeline
+from zerofx.passes.graph_edit import SHARD
 from zerofx.passes.pipeline import Pipeline
 from zerofx.passes.schedule_collectives import schedule_collectives
 from zerofx.passes.split_incoming_grads import split_incoming_grads
@@ -327,3 +328,28 @@ def test_reading_an_incoming_gradient_other_than_by_backward_is_refused():
     gm = _captured_onto_incoming_grads(_reads_the_incoming_grad)
     with pytest.raises(zerofx.CaptureError, match="gradient of 'ln_f.weight' an earlier call left in .grad"):
         split_incoming_grads(gm, PassContext(2, 4, "test", 16 * 1024))
+
+
+def _two_microbatches(model, optimizer, x, y):
+    optimizer.zero_grad()
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        model(xs, ys).backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_micro_batch_shards_travel_in_bf16_and_are_summed_in_the_masters_fp32(stage):
+    """Under mixed precision each micro-batch's gradients are reduce-scattered in bf16 and the shards summed in fp32
+    (what every reader converts the gradient to), as FSDP2 sums them; in fp32 alone nothing is converted."""
+    for mixed, sent, summed in ((zerofx.MixedPrecision(torch.bfloat16), torch.bfloat16, torch.float32),
+                                (None, torch.float32, torch.float32)):
+        model, opt = gpt_and_adamw()
+        args = (model, opt, *token_batch(0, 0))
+        gm = capture(_two_microbatches, StepBinding.from_args(args), args, mixed=mixed).gm
+        ctx = PassContext(stage, 4, "test", 16 * 1024)
+        gm = Pipeline(stage, tuple(p for p in pipeline(stage).passes if p is not schedule_collectives)).run(gm, ctx)
+        scatters = _calls(gm, collectives.reduce_scatter)
+        assert {n.args[0].meta["val"].dtype for n in scatters} == {sent}
+        sums = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and n.meta.get(SHARD)]
+        assert len(sums) == len(list(model.parameters()))  # one per parameter (the tied head weight listed once)
+        assert {n.meta["val"].dtype for n in sums} == {summed}
