@@ -5,19 +5,22 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from zerofx.errors import CaptureError, user_frame_from_stack_trace
+from zerofx.mixed_precision import MASTER_GRAD
 from zerofx.passes.bucketing import plan_buckets, plan_sharded
 from zerofx.passes.context import PassContext
 from zerofx.passes.flat_collectives import cast, categorize, reduce_scatter_bucket, wait_and_split
 from zerofx.passes.graph_edit import SHARD, add_call, first_user_after
 from zerofx.sharding import ParamLayout
-from zerofx.step_graph import Phase, Role, StepGraph
+from zerofx.step_graph import Phase, Role, StepGraph, is_mutating, storage_root
 
 aten = torch.ops.aten
 
 
 def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Expects: ``ctx.artifacts["layouts"]`` from ``shard_optimizer_state``; GRAD-tagged gradient nodes per
-    micro-batch (backward accumulating into ``.grad`` with ``add_`` from the second micro-batch on), computed as if
+    micro-batch (backward accumulating into ``.grad`` with ``add_`` from the second micro-batch on, or starting afresh
+    after a ``zero_grad()`` between micro-batches, which drops the earlier ones' shards), computed as if
     ``.grad`` had been empty where ``split_incoming_grads`` names an incoming gradient to add.
 
     Guarantees: gradients are grouped, in the order backward produces them, at stages 2-3 into the model's units
@@ -32,7 +35,7 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
       die as soon as they are packed, and only shards live on.
     Gradients travel in ``ctx.reduce_dtype`` when it is set (cast just before packing); with several micro-batches
     their shards are summed in the dtype every reader of the final gradient converts it to, where that is wider
-    (under mixed precision, the fp32 master gradient's). At stages 2-3 a bucket's
+    (under mixed precision, the fp32 master gradient's), and those readers read the sum itself. At stages 2-3 a bucket's
     wait sits where the next bucket is issued (one reduce-scatter and its packed copy in flight); the last wait (and
     every wait at stage 1) sits just before the first reader; every later reader (clipping, the optimizer) reads
     this rank's accumulated shard, which starts from the shard an earlier call kept (a GRAD_IN placeholder) where
@@ -52,11 +55,15 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     accumulated = {f: incoming for f, incoming in sg.placeholders(Role.GRAD_IN).items() if f in split and f in layouts}
     final = {f: g for f, g in sg.tagged(Role.GRAD, micro - 1).items() if f in layouts}
     summed_in = {f: _summed_in(g, sg.order) for f, g in final.items()} if len(rounds) > 1 else {}
+    previous: dict[str, fx.Node] = {}  # fqn -> its gradient as the last round left it
     for mb in rounds:
         grads = {f: g for f, g in sg.tagged(Role.GRAD, mb).items() if f in layouts}
-        first_of_many = ctx.stage >= 2 and mb == 0
-        # from the second micro-batch on, backward did grad.add_(contribution): reduce the contribution alone
-        parts = {f: g if first_of_many or ctx.stage < 2 else g.args[1] for f, g in grads.items()}
+        parts, restart = {}, set()
+        for f, g in grads.items():
+            parts[f], dropped = _contribution(f, g, previous.get(f), ctx) if len(rounds) > 1 else (g, False)
+            if dropped:
+                restart.add(f)
+        previous.update(grads)
         last_round = mb == micro - 1
         if last_round:
             where = None  # just before the first reader of the bucket's final gradients
@@ -68,7 +75,7 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
                 with gm.graph.inserting_after(shard):
                     shard = categorize(cast(gm.graph, shard, summed_in[f], like=shard), "grad")
                     shard.meta[SHARD] = True
-            if f in accumulated:
+            if f in accumulated and f not in restart:
                 with gm.graph.inserting_after(shard):
                     shard = add_call(gm.graph, aten.add.Tensor, (accumulated[f], shard), like=shard)
                     shard.meta[SHARD] = True
@@ -78,6 +85,8 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         for user in list(g.users):
             if sg.order.get(user, -1) > sg.order[g]:
                 user.replace_input_with(g, accumulated[f])
+                if f in summed_in and summed_in[f] != g.meta["val"].dtype:
+                    _conversion_is_the_sum(gm.graph, user, accumulated[f])
     if ctx.stage >= 2:
         for mb in range(micro - 1, 0, -1):  # the full accumulations, now unread
             for f, g in sg.tagged(Role.GRAD, mb).items():
@@ -85,6 +94,36 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
                     gm.graph.erase_node(g)
     gm.recompile()
     return gm
+
+
+def _contribution(fqn: str, grad: fx.Node, previous: fx.Node | None, ctx: PassContext) -> tuple[fx.Node, bool]:
+    """What a micro-batch's backward added to a gradient, and whether the gradients before it were dropped. Backward
+    accumulates with ``add_(previous, contribution)``; after ``zero_grad()`` between micro-batches it starts afresh
+    (set to None: a new gradient) or adds to the zeroed one (``add_(zero_(previous), contribution)``)."""
+    if previous is None:
+        return grad, False
+    if grad.target is aten.add_.Tensor and grad.args[0] is previous:
+        return grad.args[1], False
+    if grad.target is aten.add_.Tensor and grad.args[0].target is aten.zero_.default and \
+            storage_root(grad.args[0]) is storage_root(previous):
+        return grad.args[1], True
+    if not is_mutating(grad):
+        return grad, True
+    writer = grad.args[0] if grad.target is aten.add_.Tensor else grad
+    raise CaptureError(
+        f"the gradient of '{fqn}' is written in place between micro-batches ({writer.target}); at stage "
+        f"{ctx.stage} each micro-batch's gradients are reduce-scattered as backward leaves them",
+        source=user_frame_from_stack_trace(writer.meta.get("stack_trace")),
+        hint="change gradients after the last backward (clipping, scaling the loss instead), or use stage 1")
+
+
+def _conversion_is_the_sum(graph: fx.Graph, conversion: fx.Node, summed: fx.Node) -> None:
+    """A conversion of the gradient to the dtype its shards were summed in copies the sum: its readers read the sum
+    (nothing else does), which keeps its flags (an fp32 master gradient's)."""
+    if MASTER_GRAD in conversion.meta:
+        summed.meta[MASTER_GRAD] = conversion.meta[MASTER_GRAD]
+    conversion.replace_all_uses_with(summed)
+    graph.erase_node(conversion)
 
 
 def _summed_in(grad: fx.Node, order: dict[fx.Node, int]) -> torch.dtype:

@@ -510,7 +510,7 @@ def _update_error(full: dict, fsdp2_model) -> float:
     return ((ours - theirs).norm() / theirs.norm()).item()
 
 
-# --- the update first, with the gradients the last call left -------------------------------------------------------
+# --- the update first, with the gradients the last call left (stage 0) ---------------------------------------------
 
 def _update_then_backward(model, optimizer, x, y):
     """The update with the gradients the last call left (the first call has none), then this call's backward."""
@@ -544,7 +544,6 @@ def update_first_against_the_referee(rank, world_size, precision, steps=4):
         assert_matches_ddp(step, ref_model, ref_opt)
         return {"left": left}
     return {"left": left, "update_error": _update_error(zerofx.full_state_dict(step), ref_model)}
-
 
 
 # --- micro-batches inside one call ---------------------------------------------------------------------------------

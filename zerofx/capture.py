@@ -147,7 +147,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             for path, module in checkpointed:
                 stack.enter_context(regions.watch(path, module))
             if mixed_trace is not None:
-                stack.enter_context(_module_zero_grad_reaches_masters(fake_params, fake_masters))
+                stack.enter_context(mixed_trace.zero_grad_reaches_both())
             user_out = train_step(*call_args)
             if mixed_trace is not None:
                 mixed_trace.at_step_end()
@@ -195,31 +195,6 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     modes_after = binding.training_modes(args)
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
                         modes_after if modes_after != modes_before else None)
-
-
-@contextlib.contextmanager
-def _module_zero_grad_reaches_masters(compute: dict, masters: dict):
-    """Under mixed precision ``Module.zero_grad()`` also resets the fp32 masters' gradients, those kept from an
-    earlier call included: before forward the module shows its compute parameters, whose gradients are not yet
-    there, but the user means the gradients the optimizer will read."""
-    master_of = {id(c): masters[fqn] for fqn, c in compute.items() if fqn in masters}
-    original = torch.nn.Module.zero_grad
-
-    def zero_grad(module, set_to_none: bool = True):
-        original(module, set_to_none)
-        for p in module.parameters():
-            master = master_of.get(id(p))
-            if master is not None and master.grad is not None:
-                if set_to_none:
-                    master.grad = None
-                else:
-                    master.grad.zero_()
-
-    torch.nn.Module.zero_grad = zero_grad
-    try:
-        yield
-    finally:
-        torch.nn.Module.zero_grad = original
 
 
 def _refuse_python_side_effects(before: tuple, binding: StepBinding, args: tuple, train_step: Callable) -> None:

@@ -21,8 +21,6 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from zerofx.errors import CaptureError, user_frame
-
 
 @dataclass(frozen=True)
 class LossScaling:
@@ -83,9 +81,8 @@ class MixedPrecisionTrace:
         self.compute, self.masters, self.views = compute, masters, views
         self._shown = contextlib.ExitStack()
         self._found = None
-        self._incoming: dict = {}  # fqn -> the master's gradient as the first backward found it
+        self._incoming: dict = {}  # fqn -> what conversions add to: the master's gradient the first backward found
         self.conversions: list[list] = []  # graph nodes each backward's conversion made; all but the last are dropped
-        self._stepped_after_backward = False  # an optimizer stepped after a backward of this call
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaling is None else loss.float() * self.scale
@@ -93,13 +90,6 @@ class MixedPrecisionTrace:
     def after_backward(self) -> None:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-        if self._stepped_after_backward:
-            raise CaptureError(
-                "backward(), optimizer.step(), then backward() again in one call under mixed precision: each "
-                "backward's fp32 gradients are converted from the sum of the call's low-precision gradients so far, "
-                "which an update in between would carry into the next",
-                source=user_frame(), hint="end the step with optimizer.step() and run the next backward in a call of "
-                                          "its own")
         graph = get_proxy_mode().tracer.graph
         before = len(graph.nodes)
         inverse = None if self.scaling is None else self.scale.double().reciprocal().float()
@@ -126,6 +116,42 @@ class MixedPrecisionTrace:
         self.conversions.append(list(graph.nodes)[before:])
         self.show_masters()
 
+    @contextlib.contextmanager
+    def zero_grad_reaches_both(self):
+        """``Module.zero_grad()`` and ``Optimizer.zero_grad()`` reset a parameter's compute and master gradients
+        together, whichever of the two the module shows or the optimizer holds, and the next backward's conversion
+        adds to nothing (not to a gradient an earlier call left, nor to the zeroed one, which may be full-size where
+        the conversion is a shard): before forward the
+        module shows compute parameters whose gradients are not there yet, but the user means the gradients the
+        optimizer will read; after an update, the compute gradients of the backward before it must not reach the
+        next conversion (two updates in one call, one model's update before another's backward)."""
+        fqn_of = {id(t): fqn for tensors in (self.compute, self.masters) for fqn, t in tensors.items()}
+        originals = torch.nn.Module.zero_grad, torch.optim.Optimizer.zero_grad
+
+        def reset(tensors, set_to_none: bool) -> None:
+            for fqn in {fqn_of[id(t)] for t in tensors if id(t) in fqn_of}:
+                for t in (self.compute[fqn], self.masters.get(fqn)):
+                    if t is not None and t.grad is not None:
+                        if set_to_none:
+                            t.grad = None
+                        else:
+                            t.grad.zero_()
+                self._incoming[fqn] = None  # what the next conversion adds to: nothing (zeros add nothing)
+
+        def module_zero_grad(module, set_to_none: bool = True):
+            originals[0](module, set_to_none)
+            reset(list(module.parameters()), set_to_none)
+
+        def optimizer_zero_grad(optimizer, set_to_none: bool = True):
+            originals[1](optimizer, set_to_none)
+            reset([p for group in optimizer.param_groups for p in group["params"]], set_to_none)
+
+        torch.nn.Module.zero_grad, torch.optim.Optimizer.zero_grad = module_zero_grad, optimizer_zero_grad
+        try:
+            yield
+        finally:
+            torch.nn.Module.zero_grad, torch.optim.Optimizer.zero_grad = originals
+
     def show_masters(self) -> None:
         from torch.nn.utils import stateless
 
@@ -137,7 +163,6 @@ class MixedPrecisionTrace:
         self._shown.close()
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._stepped_after_backward = bool(self.conversions)
         updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
         with torch.no_grad():
             for fqn, m in self.masters.items():

@@ -296,9 +296,10 @@ def _left_unused_by_an_optimizer(captured: CapturedStep, binding: StepBinding, a
 
 
 def _refuse_params_read_after_update(captured: CapturedStep) -> None:
-    """From stage 1 on the optimizer updates this rank's shard, and the whole parameter exists again only in the next
-    call's gather: forward or backward after ``optimizer.step()`` in the same call (an evaluation of the updated model,
-    a second update, a GAN's generator step through the updated discriminator) would read it stale."""
+    """From stage 1 on the optimizer updates this rank's shard, and the whole parameter exists again only once the
+    step gathers it (at its end at stages 1-2, in the next call at stage 3): forward or backward after
+    ``optimizer.step()`` in the same call (an evaluation of the updated model, an update before backward) would read
+    it stale."""
     sg = StepGraph(captured.gm)
     fqn_of = {node: fqn for fqn, node in sg.params().items()}
     first_write: dict[str, fx.Node] = {}
@@ -311,8 +312,8 @@ def _refuse_params_read_after_update(captured: CapturedStep) -> None:
                 raise CaptureError(
                     f"parameter '{fqn}' is read by {node.target} after optimizer.step() updated it in the same call "
                     f"(at {user_frame_from_stack_trace(first_write[fqn].meta.get('stack_trace'))}); from stage 1 on "
-                    "an update writes this rank's shard, and the whole parameter is gathered again only in the next "
-                    "call", source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
+                    "an update writes this rank's shard, and the step gathers the whole parameter only after it",
+                    source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
                     hint="end the step with optimizer.step() and run what reads the updated model (an evaluation, the "
                          "next update) in a call of its own, or use stage 0")
         root = fqn_of.get(storage_root(node))

@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
 from zerofx import optim_support
 from zerofx.binding import StepBinding
-from zerofx.errors import CaptureError
+from zerofx.errors import CaptureError, user_frame
 from zerofx.mesh import local
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot
 
@@ -27,6 +27,7 @@ class PhaseRecorder:
         self.microbatch = 0
         self.in_optimizer_step = False
         self.seen_backward = False
+        self.stepped_after_backward = False
         # (node, slot) pairs: the node holding a gradient at the moment of the event. Gradients are updated in
         # place (accumulation, clipping), so the tensor's final node would be the wrong one.
         self.grad_nodes: list[tuple[fx.Node, Slot]] = []
@@ -52,6 +53,13 @@ class PhaseRecorder:
                 self.microbatch += 1 if self.seen_backward else 0
                 self.phase = Phase.FORWARD
         elif name == "backward_start":
+            if self.stepped_after_backward:
+                raise CaptureError(
+                    "backward() after optimizer.step() has updated with an earlier backward's gradients in the same "
+                    "call: a call's gradients are reduced across ranks once, after its last backward, so that update "
+                    "would read this rank's own gradients",
+                    source=user_frame(), hint="take one update per call (micro-batches accumulate inside a call: "
+                                              "backward() for each, then one optimizer.step())")
             self._flush(Phase.FORWARD)
             self.phase, self.seen_backward = Phase.BACKWARD, True
         elif name == "backward_end":
@@ -60,6 +68,7 @@ class PhaseRecorder:
         elif name == "optimizer_start":
             self._flush(Phase.OPTIMIZER)
             self.phase, self.in_optimizer_step = Phase.OPTIMIZER, True
+            self.stepped_after_backward = self.seen_backward
         elif name == "optimizer_end":
             self._flush(Phase.OPTIMIZER)
             self.in_optimizer_step = False
