@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerofx
 from cases_stages import _ddp_full_state
-from models import gpt_and_adamw, mlp_and_adamw, regression_step, token_batch, train_step
+from models import accumulating_train_step, gpt_and_adamw, mlp_and_adamw, regression_step, token_batch, train_step
 from nanogpt import param_groups
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -454,11 +454,7 @@ def accumulate_across_calls_against_the_referee(rank, world_size, stage, precisi
              "two optimizers": (_head_every_call_body_every_other, None)}
     mixed = zerofx.MixedPrecision(PRECISIONS[precision]) if precision != "fp32" else None
     for name, (fn, outside) in loops.items():
-        if precision == "fp32":
-            ref_model = gpt_and_adamw()[0]
-            referee = DDP(ref_model)
-        else:
-            ref_model = referee = _fsdp2_gpt(PRECISIONS[precision], optimizer=lambda m: None)[0]
+        ref_model, referee = _referee(precision)
         model = gpt_and_adamw()[0]
         if fn is _head_every_call_body_every_other:
             ref_opts, opts = _two_optimizers(ref_model), _two_optimizers(model)
@@ -502,6 +498,16 @@ def accumulate_across_calls_against_the_referee(rank, world_size, stage, precisi
     return {"kept": kept, "traces": traces, "sent": sent, "update_error": update_error}
 
 
+def _referee(precision: str):
+    """The model the referee trains, and what the loop calls: DDP over it in fp32, the model itself sharded by FSDP2
+    in bf16 (the caller makes the optimizer)."""
+    if precision == "fp32":
+        model = gpt_and_adamw()[0]
+        return model, DDP(model)
+    model = _fsdp2_gpt(PRECISIONS[precision], optimizer=lambda m: None)[0]
+    return model, model
+
+
 def _update_error(full: dict, fsdp2_model) -> float:
     """How far the parameters' updates since the start (``full``: zerofx's full state dict) are from FSDP2's."""
     initial = gpt_and_adamw()[0].state_dict()
@@ -525,11 +531,7 @@ def update_first_against_the_referee(rank, world_size, precision, steps=4):
     """At stage 0 a step that updates before its backward keeps the gradients it leaves for the next call's update
     (under mixed precision the fp32 masters'): against DDP in fp32 and FSDP2 in bf16. Returns the bytes of the
     gradients left after each call and, in bf16, how far the parameters' updates are from FSDP2's."""
-    if precision == "fp32":
-        ref_model = gpt_and_adamw()[0]
-        referee = DDP(ref_model)
-    else:
-        ref_model = referee = _fsdp2_gpt(PRECISIONS[precision], optimizer=lambda m: None)[0]
+    ref_model, referee = _referee(precision)
     model = gpt_and_adamw()[0]
     ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (ref_model, model))
     mixed = zerofx.MixedPrecision(PRECISIONS[precision]) if precision != "fp32" else None
@@ -548,26 +550,16 @@ def update_first_against_the_referee(rank, world_size, precision, steps=4):
 
 # --- micro-batches inside one call ---------------------------------------------------------------------------------
 
-def _two_microbatches(model, optimizer, x, y):
-    optimizer.zero_grad()
-    total = 0
-    for xs, ys in zip(x.chunk(2), y.chunk(2)):
-        loss = model(xs, ys) / 2
-        loss.backward()
-        total = total + loss.detach()
-    optimizer.step()
-    return total
-
-
 def microbatches_in_bf16_against_fsdp2(rank, world_size, stage, steps=3):
     """Two micro-batches per call in bf16 against FSDP2, which reduces each backward's gradients and sums them into
     fp32 shards. Returns how far the parameters' updates are from FSDP2's."""
     ref_model = _fsdp2_gpt(torch.bfloat16, optimizer=lambda m: None)[0]
     model = gpt_and_adamw()[0]
     ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (ref_model, model))
-    step = zerofx.compile(_two_microbatches, stage=stage, mixed_precision=zerofx.MixedPrecision(torch.bfloat16))
+    step = zerofx.compile(accumulating_train_step, stage=stage,
+                          mixed_precision=zerofx.MixedPrecision(torch.bfloat16))
     for i in range(steps):
         x, y = token_batch(i, rank, batch=8)
-        torch.testing.assert_close(step(model, opt, x, y), _two_microbatches(ref_model, ref_opt, x, y), rtol=1e-2,
-                                   atol=0, msg=f"call {i}")
+        torch.testing.assert_close(step(model, opt, x, y), accumulating_train_step(ref_model, ref_opt, x, y),
+                                   rtol=1e-2, atol=0, msg=f"call {i}")
     return _update_error(zerofx.full_state_dict(step), ref_model)

@@ -542,8 +542,79 @@ def _scales_gradients_between_microbatches(model, opt, x, y):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_gradient_written_between_microbatches_is_refused_where_each_is_reduced(stage):
     model, opt = gpt_and_adamw()
-    with pytest.raises(zerofx.CaptureError, match=r"gradient of 'ln_f.weight' is written in place between micro-batches "
-                                                  rf"\(aten.mul_.Tensor\); at stage {stage} each micro-batch's "
-                                                  r"gradients are reduce-scattered(.|\n)*test_capture.py:\d+: "
-                                                  r"p.grad.mul_\(0.5\)"):
+    with pytest.raises(zerofx.CaptureError, match=r"gradient of 'ln_f.weight' is written in place between "
+                                                  rf"micro-batches \(aten.mul_.Tensor\); at stage {stage} each "
+                                                  r"micro-batch's gradients are reduce-scattered(.|\n)*"
+                                                  r"test_capture.py:\d+: p.grad.mul_\(0.5\)"):
         zerofx.compile(_scales_gradients_between_microbatches, stage=stage)(model, opt, *token_batch(0, 0))
+
+
+def _keep_then_zero_between(model, opt, x, y, update, set_to_none):
+    """Keeps the gradients without updating; the next call drops them, and its first micro-batch's, by zero_grad()."""
+    for j, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2))):
+        if update and j == 1:
+            opt.zero_grad(set_to_none=set_to_none)
+        model(xs, ys).backward()
+    if update:
+        opt.step()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_between_microbatches_drops_a_kept_gradient_too(set_to_none):
+    """bf16 at stage 2: zeroing used to keep the first micro-batch's conversion of the kept shard alive, and that was
+    refused as a read of the kept gradient."""
+    mixed = zerofx.MixedPrecision(torch.bfloat16)
+    step = zerofx.compile(functools.partial(_keep_then_zero_between, set_to_none=set_to_none), stage=2,
+                          mixed_precision=mixed)
+    reference = zerofx.compile(_the_last_half_alone, stage=2, mixed_precision=mixed)
+    (model, opt), (ref_model, ref_opt) = gpt_and_adamw(), gpt_and_adamw()
+    step(model, opt, *token_batch(0, 0), False)
+    step(model, opt, *token_batch(1, 0), True)
+    reference(ref_model, ref_opt, *token_batch(1, 0))
+    torch.testing.assert_close(zerofx.full_state_dict(step)["model"], zerofx.full_state_dict(reference)["model"],
+                               rtol=0, atol=0)
+
+
+def _grads_set_to_none_by_hand_between_microbatches(model, opt, x, y):
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        for p in model.parameters():
+            p.grad = None
+        model(xs, ys).backward()
+    opt.step()
+
+
+def test_a_gradient_replaced_by_hand_between_microbatches_is_refused_under_mixed_precision():
+    """The module shows the masters between backward passes: ``.grad = None`` reached only them, and the earlier
+    micro-batch's bf16 gradient was still added (0.012 off the last micro-batch alone)."""
+    model, opt = gpt_and_adamw()
+    with pytest.raises(zerofx.CaptureError, match=r"gradient of '.*' was replaced between backward passes"):
+        zerofx.compile(_grads_set_to_none_by_hand_between_microbatches,
+                       mixed_precision=zerofx.MixedPrecision(torch.bfloat16))(model, opt, *token_batch(0, 0))
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_head):
+        h = self.body(x)
+        return self.head(h) if use_head else h
+
+
+def _head_in_the_first_microbatch_only(model, opt, x, y):
+    opt.zero_grad()
+    for use_head, xs, ys in zip((True, False), x.chunk(2), y.chunk(2)):
+        torch.nn.functional.mse_loss(model(xs, use_head), ys).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_parameter_the_last_microbatch_does_not_use_is_refused(stage):
+    """Its gradient was left out of the reduction: at stage 0 each rank stepped with its own, at 1-3 shapes failed."""
+    model = _TwoHeads()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(zerofx.CaptureError, match=r"parameter 'head.(weight|bias)' gets a gradient in an earlier "
+                                                  r"micro-batch but is not used in the last of 2"):
+        zerofx.compile(_head_in_the_first_microbatch_only, stage=stage)(model, opt, torch.randn(4, 8),
+                                                                         torch.randn(4, 8))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zerofx
-from models import TINY_GPT, gpt_and_adamw, token_batch, train_step
+from models import TINY_GPT, accumulating_train_step, gpt_and_adamw, token_batch, train_step
 from nanogpt import GPTConfig
 from zerofx import collectives
 from zerofx.binding import StepBinding
@@ -330,22 +330,23 @@ def test_reading_an_incoming_gradient_other_than_by_backward_is_refused():
         split_incoming_grads(gm, PassContext(2, 4, "test", 16 * 1024))
 
 
-def _two_microbatches(model, optimizer, x, y):
-    optimizer.zero_grad()
-    for xs, ys in zip(x.chunk(2), y.chunk(2)):
-        model(xs, ys).backward()
-    optimizer.step()
+def _zeroing_after_the_update(model, optimizer, x, y):
+    accumulating_train_step(model, optimizer, x, y)
+    optimizer.zero_grad(set_to_none=False)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_micro_batch_shards_travel_in_bf16_and_are_summed_in_the_masters_fp32(stage):
     """Under mixed precision each micro-batch's gradients are reduce-scattered in bf16 and the shards summed in fp32
     (what every reader converts the gradient to), as FSDP2 sums them; in fp32 alone nothing is converted."""
-    for mixed, sent, summed in ((zerofx.MixedPrecision(torch.bfloat16), torch.bfloat16, torch.float32),
-                                (None, torch.float32, torch.float32)):
+    for mixed, sent, summed, step_fn in (
+            (zerofx.MixedPrecision(torch.bfloat16), torch.bfloat16, torch.float32, accumulating_train_step),
+            # zeroing after the update reads the gradients no more (the compute ones were summed in bf16 then)
+            (zerofx.MixedPrecision(torch.bfloat16), torch.bfloat16, torch.float32, _zeroing_after_the_update),
+            (None, torch.float32, torch.float32, accumulating_train_step)):
         model, opt = gpt_and_adamw()
         args = (model, opt, *token_batch(0, 0))
-        gm = capture(_two_microbatches, StepBinding.from_args(args), args, mixed=mixed).gm
+        gm = capture(step_fn, StepBinding.from_args(args), args, mixed=mixed).gm
         ctx = PassContext(stage, 4, "test", 16 * 1024)
         gm = Pipeline(stage, tuple(p for p in pipeline(stage).passes if p is not schedule_collectives)).run(gm, ctx)
         scatters = _calls(gm, collectives.reduce_scatter)

@@ -21,6 +21,9 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
+from zerofx.step_graph import is_mutating
+
 
 @dataclass(frozen=True)
 class LossScaling:
@@ -83,6 +86,7 @@ class MixedPrecisionTrace:
         self._found = None
         self._incoming: dict = {}  # fqn -> what conversions add to: the master's gradient the first backward found
         self.conversions: list[list] = []  # graph nodes each backward's conversion made; all but the last are dropped
+        self._converted: dict = {}  # fqn -> the master's gradient the last conversion made
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaling is None else loss.float() * self.scale
@@ -98,6 +102,11 @@ class MixedPrecisionTrace:
             # what a later micro-batch's conversion adds to: the gradient an earlier call left (or None)
             incoming = self._incoming.setdefault(fqn, m.grad)
             g = self.compute[fqn].grad
+            if fqn in self._converted and m.grad is not self._converted[fqn]:
+                raise CaptureError(
+                    f"the gradient of '{fqn}' was replaced between backward passes (`.grad = ...`) under mixed "
+                    "precision: the next conversion to fp32 would still add the earlier backward's low-precision "
+                    "gradient", source=user_frame(), hint="reset gradients with zero_grad() (model's or optimizer's)")
             if g is None:
                 m.grad = incoming
                 continue
@@ -110,6 +119,7 @@ class MixedPrecisionTrace:
             if incoming is not None:
                 m.grad = incoming + m.grad
                 _flag(m.grad, MASTER_GRAD)
+            self._converted[fqn] = m.grad
         if checks:
             self._found = torch.stack(checks).all().logical_not().float()
             _flag(self._found, FOUND_INF)
@@ -121,22 +131,27 @@ class MixedPrecisionTrace:
         """``Module.zero_grad()`` and ``Optimizer.zero_grad()`` reset a parameter's compute and master gradients
         together, whichever of the two the module shows or the optimizer holds, and the next backward's conversion
         adds to nothing (not to a gradient an earlier call left, nor to the zeroed one, which may be full-size where
-        the conversion is a shard): before forward the
-        module shows compute parameters whose gradients are not there yet, but the user means the gradients the
-        optimizer will read; after an update, the compute gradients of the backward before it must not reach the
-        next conversion (two updates in one call, one model's update before another's backward)."""
+        the conversion is a shard). Before forward the module shows compute parameters whose gradients are not there
+        yet, but the user means the gradients the optimizer will read; between micro-batches (the module showing the
+        masters) the compute gradients of the earlier ones must not reach the next conversion. A compute gradient is
+        the trace's own, so it is dropped rather than zeroed: nothing but the conversions reads it."""
         fqn_of = {id(t): fqn for tensors in (self.compute, self.masters) for fqn, t in tensors.items()}
         originals = torch.nn.Module.zero_grad, torch.optim.Optimizer.zero_grad
 
         def reset(tensors, set_to_none: bool) -> None:
             for fqn in {fqn_of[id(t)] for t in tensors if id(t) in fqn_of}:
-                for t in (self.compute[fqn], self.masters.get(fqn)):
-                    if t is not None and t.grad is not None:
-                        if set_to_none:
-                            t.grad = None
-                        else:
-                            t.grad.zero_()
+                master = self.masters.get(fqn)
+                if master is not None and master.grad is not None:
+                    if set_to_none:
+                        master.grad = None
+                    else:
+                        master.grad.zero_()
+                if master is not None or set_to_none:
+                    self.compute[fqn].grad = None
+                elif self.compute[fqn].grad is not None:  # a frozen parameter's: the user's own
+                    self.compute[fqn].grad.zero_()
                 self._incoming[fqn] = None  # what the next conversion adds to: nothing (zeros add nothing)
+                self._converted.pop(fqn, None)
 
         def module_zero_grad(module, set_to_none: bool = True):
             originals[0](module, set_to_none)
@@ -181,13 +196,41 @@ def drop_superseded_conversions(graph, conversions: list[list]) -> None:
     conversion is what user code and the optimizer read. Earlier ones nothing outside them reads are removed."""
     for nodes in conversions[:-1]:
         members = set(nodes)
-        if any(user not in members for n in nodes for user in n.users):
+        outside = [user for n in nodes for user in n.users if user not in members]
+        zeroings = _zeroed_only(outside)
+        if zeroings:  # zeroed by zero_grad(set_to_none=False) and not read again: superseded as well
+            for u in reversed(zeroings):
+                graph.erase_node(u)
+            outside = []
+        writes = [u for u in outside if u.op == "call_function" and is_mutating(u)]
+        if writes:
+            raise CaptureError(
+                f"a gradient is written in place between backward passes under mixed precision ({writes[0].target}): "
+                "the next conversion to fp32 replaces it, and the write would be lost",
+                source=user_frame_from_stack_trace(writes[0].meta.get("stack_trace")),
+                hint="change gradients after the last backward (clipping, scaling the loss instead)")
+        if outside:
             for n in nodes:  # read between micro-batches: kept, but the last conversion's flags are the step's
                 for flag in (FOUND_INF, PER_TENSOR_CHECK, MASTER_GRAD):
                     n.meta.pop(flag, None)
             continue
         for n in reversed(nodes):
             graph.erase_node(n)
+
+
+def _zeroed_only(users: list) -> list:
+    """``users`` and what reads them, in order, where all are in-place zeroings (zero_grad() on a master and on its
+    compute gradient); empty otherwise."""
+    chain, frontier = [], list(users)
+    while frontier:
+        node = frontier.pop(0)
+        if node.target is not torch.ops.aten.zero_.default:
+            return []
+        if node in chain:
+            continue
+        chain.append(node)
+        frontier.extend(node.users)
+    return chain
 
 
 def _flag(tensor: torch.Tensor, key: str) -> None:

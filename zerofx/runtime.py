@@ -249,6 +249,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
+    _refuse_grads_missing_from_the_last_microbatch(captured)
     if ctx.stage >= 1:
         _refuse_params_read_after_update(captured)
         _refuse_grads_not_kept(captured, state)
@@ -293,6 +294,22 @@ def _left_unused_by_an_optimizer(captured: CapturedStep, binding: StepBinding, a
         return fqn in updates and (fqn not in grads or sg.order[updates[fqn]] > sg.order[grads[fqn]])
 
     return sorted(f for f in captured.grads_left & held if not stepped_with(f))
+
+
+def _refuse_grads_missing_from_the_last_microbatch(captured: CapturedStep) -> None:
+    """Every stage reduces (or reduce-scatters, and sums) the gradients as the last backward leaves them; a parameter
+    an earlier micro-batch gave a gradient and the last did not use would keep this rank's own (at stage 0 the ranks'
+    copies would drift apart)."""
+    sg = StepGraph(captured.gm)
+    grads = sg.tagged(Role.GRAD)
+    with_backward = sorted({tag(n).microbatch for n in sg.graph.nodes if tag(n) and tag(n).has(Role.GRAD)})
+    last = sg.tagged(Role.GRAD, with_backward[-1]) if with_backward else {}
+    missing = [f for f in grads if f not in last]
+    if missing:
+        raise CaptureError(
+            f"parameter '{missing[0]}' gets a gradient in an earlier micro-batch but is not used in the last of "
+            f"{len(with_backward)}: the step reduces the gradients across ranks as the last backward leaves them",
+            hint="use every trained parameter in every micro-batch (a task's head in each, or 0 * its output)")
 
 
 def _refuse_params_read_after_update(captured: CapturedStep) -> None:

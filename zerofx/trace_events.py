@@ -68,10 +68,10 @@ class PhaseRecorder:
         elif name == "optimizer_start":
             self._flush(Phase.OPTIMIZER)
             self.phase, self.in_optimizer_step = Phase.OPTIMIZER, True
-            self.stepped_after_backward = self.seen_backward
         elif name == "optimizer_end":
             self._flush(Phase.OPTIMIZER)
             self.in_optimizer_step = False
+            self.stepped_after_backward = self.seen_backward
         elif name == "step_end":
             self._flush(Phase.OPTIMIZER)
 
