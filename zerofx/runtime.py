@@ -331,8 +331,8 @@ def _refuse_params_read_after_update(captured: CapturedStep) -> None:
                     f"(at {user_frame_from_stack_trace(first_write[fqn].meta.get('stack_trace'))}); from stage 1 on "
                     "an update writes this rank's shard, and the step gathers the whole parameter only after it",
                     source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
-                    hint="end the step with optimizer.step() and run what reads the updated model (an evaluation, the "
-                         "next update) in a call of its own, or use stage 0")
+                    hint="end the step with optimizer.step() and run what reads the updated model (an evaluation, a "
+                         "backward before the next update) in a call of its own, or use stage 0")
         root = fqn_of.get(storage_root(node))
         if root is not None and is_mutating(node):
             first_write.setdefault(root, node)
