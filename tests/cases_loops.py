@@ -563,3 +563,38 @@ def microbatches_in_bf16_against_fsdp2(rank, world_size, stage, steps=3):
         torch.testing.assert_close(step(model, opt, x, y), accumulating_train_step(ref_model, ref_opt, x, y),
                                    rtol=1e-2, atol=0, msg=f"call {i}")
     return _update_error(zerofx.full_state_dict(step), ref_model)
+
+
+# --- optimizer.step(closure) ---------------------------------------------------------------------------------------
+
+def _update_with_a_closure(model, optimizer, x, y):
+    """The update re-evaluating the loss through a closure, as trainers written for LBFGS-style optimizers do."""
+    def closure():
+        optimizer.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        return loss
+    return optimizer.step(closure)
+
+
+def closure_against_the_referee(rank, world_size, stage, precision, steps=4):
+    """``optimizer.step(closure)`` against the referee taking the same closure (DDP, FSDP2), in float16 against
+    GradScaler's loop written out (GradScaler takes no closure). Returns the losses."""
+    if precision == "fp16":
+        ref_model, ref_opt, ref_step = reference(precision)
+    else:
+        ref_model, referee = _referee(precision)
+        ref_opt = _adamw(ref_model)
+        ref_step = functools.partial(_update_with_a_closure, referee, ref_opt)
+    model, opt = gpt_and_adamw()
+    mixed = zerofx.MixedPrecision(PRECISIONS[precision]) if PRECISIONS[precision] else None
+    step = zerofx.compile(_update_with_a_closure, stage=stage, mixed_precision=mixed)
+    losses = []
+    for i in range(steps):
+        x, y = token_batch(i, rank)
+        losses.append(step(model, opt, x, y).item())
+        torch.testing.assert_close(losses[-1], ref_step(x, y).item(), rtol=1e-5 if mixed is None else 1e-2, atol=0,
+                                   msg=f"call {i}")
+    if mixed is None:
+        assert_matches_ddp(step, ref_model, ref_opt)
+    return losses

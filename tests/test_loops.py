@@ -152,3 +152,13 @@ def test_microbatches_in_bf16_sum_as_fsdp2_sums_them_from_stage_2(ranks2, stage)
     the full gradients in bf16 as autograd accumulates them: within a few percent."""
     error = ranks2.run(cases.microbatches_in_bf16_against_fsdp2, stage=stage)[0]
     assert error < (1e-3 if stage >= 2 else 5e-2), error
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"),
+                                              (2, "bf16"), (1, "fp16"), (3, "fp16")])
+def test_an_update_through_a_closure_matches_the_referee(ranks2, stage, precision):
+    """The closure's forward and backward are the step's, not the update's (before, at stages 1-2 they read the
+    parameters' shards the update writes: a shape error inside the graph). The case compares every loss, and in fp32
+    the parameters and optimizer state with DDP's."""
+    losses = ranks2.run(cases.closure_against_the_referee, stage=stage, precision=precision)[0]
+    assert losses[-1] < losses[0]

@@ -39,7 +39,7 @@ from zerofx.rng import traced_rng_state
 from zerofx.mixed_precision import (MixedPrecision, MixedPrecisionTrace, NormsWithStatistics, cast_floating_inputs,
                                     drop_superseded_conversions)
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, is_mutating, storage_root
-from zerofx.trace_events import (PhaseRecorder, RegionRecorder, hook, on_optimizer_start, swap_optimizer,
+from zerofx.trace_events import (PhaseRecorder, RegionRecorder, at_update_start, hook, on_optimizer_start, swap_optimizer,
                                  track_backward)
 from zerofx.units import UnitRule, picked_modules
 
@@ -140,8 +140,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             for oi, opt in enumerate(optimizers):
                 stack.enter_context(swap_optimizer(opt, oi, binding, slots, local_fakes,
                                                    {**fake_params, **fake_masters}, optimizer_targets))
-                stack.enter_context(hook(opt.register_step_pre_hook(
-                    lambda *_: on_optimizer_start(recorder, fake_params))))
+                stack.enter_context(at_update_start(opt, lambda: on_optimizer_start(recorder, fake_params)))
                 stack.enter_context(hook(opt.register_step_post_hook(lambda o, *_: optimizer_end(o))))
             stack.enter_context(track_backward(recorder, fake_params, mixed_trace))
             for path, module in checkpointed:

@@ -127,6 +127,31 @@ def hook(handle):
         handle.remove()
 
 
+@contextlib.contextmanager
+def at_update_start(opt, callback):
+    """Call ``callback`` as ``opt.step()`` starts updating: at once, or, given a closure (``step(closure)``
+    re-evaluates the loss), once the closure has run its forward and backward, which belong to the step's forward
+    and backward, not to its update."""
+
+    def pre_hook(_, args, kwargs):  # args: the optimizer, then step()'s own
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None:
+            callback()
+            return None
+
+        def closure_then_update():
+            loss = closure()
+            callback()
+            return loss
+
+        if len(args) > 1:
+            return (args[0], closure_then_update, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_update}
+
+    with hook(opt.register_step_pre_hook(pre_hook)):
+        yield
+
+
 def on_optimizer_start(recorder: PhaseRecorder, fake_params: dict) -> None:
     recorder.event("optimizer_start")
     recorder.note_grads(fake_params, Role.OPTIMIZER_GRAD)
@@ -216,8 +241,7 @@ def swap_optimizer(opt, oi: int, binding: StepBinding, slots: list[Slot], fakes:
             group["params"] = ps
 
     try:
-        with hook(opt.register_step_pre_hook(lambda *_: hold(inside))), \
-                hook(opt.register_step_post_hook(lambda *_: hold(outside))):
+        with at_update_start(opt, lambda: hold(inside)), hook(opt.register_step_post_hook(lambda *_: hold(outside))):
             yield
         _refuse_hyperparameter_writes(opt, oi, as_traced)
     finally:
