@@ -598,3 +598,29 @@ def closure_against_the_referee(rank, world_size, stage, precision, steps=4):
     if mixed is None:
         assert_matches_ddp(step, ref_model, ref_opt)
     return losses
+
+
+# --- autocast inside the step ----------------------------------------------------------------------------------------
+
+def _autocast_in_the_step(model, optimizer, x, y):
+    """Mixed precision the eager way: fp32 parameters, the forward under bf16 autocast, no scaler."""
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def autocast_against_ddp(rank, world_size, stage, steps=4):
+    """bf16 autocast inside the compiled step against DDP running the same step: every loss, then the parameters and
+    optimizer state."""
+    ref_model, opt_ref = gpt_and_adamw()
+    ddp = DDP(ref_model)
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(_autocast_in_the_step, stage=stage)
+    for i in range(steps):
+        x, y = token_batch(i, rank)
+        torch.testing.assert_close(step(model, opt, x, y).item(), _autocast_in_the_step(ddp, opt_ref, x, y).item(),
+                                   rtol=1e-5, atol=0, msg=f"call {i}")
+    assert_matches_ddp(step, ref_model, opt_ref, atol=1e-6)

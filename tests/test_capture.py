@@ -159,12 +159,23 @@ def _returns_item(model, opt, x, y):
     return train_step(model, opt, x, y).item()
 
 
+def _grad_scaler(model, opt, x, y, scaler=torch.amp.GradScaler("cpu")):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x, y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss
+
+
 @pytest.mark.parametrize("step_fn,construct,line", [
     (_loss_branch, "bool() of a tensor decides a branch", "if loss > 1.0:"),
     (_item_branch, "Python control flow on .item()", "if loss.item() > 1.0:"),
     (_param_write_outside_optimizer, "in-place update of parameter 'wte.weight' outside the optimizer",
      "model.wte.weight.mul_(0.5)"),
     (_returns_item, "returns a Python number computed from a tensor", None),
+    (_grad_scaler, "torch.amp.GradScaler inside the train step", "scaler.step(opt)"),
 ])
 def test_unsupported_step_constructs_raise_capture_error(step_fn, construct, line):
     model, opt = gpt_and_adamw()

@@ -162,3 +162,10 @@ def test_an_update_through_a_closure_matches_the_referee(ranks2, stage, precisio
     the parameters and optimizer state with DDP's."""
     losses = ranks2.run(cases.closure_against_the_referee, stage=stage, precision=precision)[0]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_autocast_inside_the_step_matches_ddp(ranks2, stage):
+    """Mixed precision written the eager way (fp32 parameters, autocast around forward) rather than with
+    ``mixed_precision=``: the graph records autocast's casts, and every stage trains as DDP does."""
+    ranks2.run(cases.autocast_against_ddp, stage=stage)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -162,6 +164,15 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(*real_inputs)
     except (GuardOnDataDependentSymNode, DataDependentOutputException) as e:
         source = user_frame(e.__traceback__)
+        if _inside_grad_scaler(e.__traceback__):
+            raise CaptureError(
+                "torch.amp.GradScaler inside the train step: its step() reads on the host whether a gradient is "
+                "not finite, to decide whether to update", source=source,
+                hint="drop the scaler (and float16 autocast) from the step and compile with "
+                     "mixed_precision=zerofx.MixedPrecision(torch.float16), whose loss scaling does what GradScaler "
+                     "does (scale, unscale before your code reads gradients, skip a non-finite update on every rank, "
+                     "grow or back off the scale) inside the graph; or autocast to bfloat16, which needs no scaler"
+            ) from None
         construct = ("Python control flow on .item(): a number read from a tensor decides a branch"
                      if source and ".item()" in source else
                      "Python control flow on a tensor value: bool() of a tensor decides a branch")
@@ -194,6 +205,12 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     modes_after = binding.training_modes(args)
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
                         modes_after if modes_after != modes_before else None)
+
+
+def _inside_grad_scaler(tb) -> bool:
+    """Whether the traceback ``tb`` passes through ``torch.amp.GradScaler`` (or its ``torch.cuda.amp`` subclass)."""
+    return any(frame.f_code.co_filename.endswith(os.path.join("amp", "grad_scaler.py"))
+               for frame, _ in traceback.walk_tb(tb))
 
 
 def _refuse_python_side_effects(before: tuple, binding: StepBinding, args: tuple, train_step: Callable) -> None:

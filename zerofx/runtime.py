@@ -249,12 +249,13 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
-    _refuse_grads_missing_from_the_last_microbatch(captured)
+    captured_sg = StepGraph(captured.gm)  # the checks below read it; keep_grad_outputs then changes the graph
+    _refuse_grads_missing_from_the_last_microbatch(captured_sg)
     if ctx.stage >= 1:
-        _refuse_params_read_after_update(captured)
+        _refuse_params_read_after_update(captured_sg)
         _refuse_grads_not_kept(captured, state)
     if ctx.stage >= 1 or mixed is not None:
-        ctx.grads_kept = _grads_kept_for_next_call(captured, binding, args, specs, mixed)
+        ctx.grads_kept = _grads_kept_for_next_call(captured, captured_sg, binding, args, specs, mixed)
         keep_grad_outputs(captured.gm.graph, ctx.grads_kept)  # the others live inside the step
         captured.gm.recompile()
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
@@ -280,14 +281,14 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, reads, snapshots)
 
 
-def _left_unused_by_an_optimizer(captured: CapturedStep, binding: StepBinding, args: tuple) -> list[str]:
+def _left_unused_by_an_optimizer(captured: CapturedStep, sg: StepGraph, binding: StepBinding,
+                                 args: tuple) -> list[str]:
     """The gradients a call leaves in ``.grad`` that an optimizer holds but did not step with: the next call adds to
     them (an update every k-th call, or one optimizer of two stepping). (A parameter no optimizer holds keeps a
     gradient nothing reads; one the step updated with is dropped, as the ``zero_grad()`` before the next use of it
     would; one updated before the backward that left it is kept.)"""
     held = {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
             for p in group["params"]}
-    sg = StepGraph(captured.gm)
     updates, grads = sg.updated_params(), sg.tagged(Role.GRAD)
 
     def stepped_with(fqn: str) -> bool:  # a step that updates first and then runs backward keeps the new gradient
@@ -296,11 +297,10 @@ def _left_unused_by_an_optimizer(captured: CapturedStep, binding: StepBinding, a
     return sorted(f for f in captured.grads_left & held if not stepped_with(f))
 
 
-def _refuse_grads_missing_from_the_last_microbatch(captured: CapturedStep) -> None:
+def _refuse_grads_missing_from_the_last_microbatch(sg: StepGraph) -> None:
     """Every stage reduces (or reduce-scatters, and sums) the gradients as the last backward leaves them; a parameter
     an earlier micro-batch gave a gradient and the last did not use would keep this rank's own (at stage 0 the ranks'
     copies would drift apart)."""
-    sg = StepGraph(captured.gm)
     grads = sg.tagged(Role.GRAD)
     with_backward = sorted({tag(n).microbatch for n in sg.graph.nodes if tag(n) and tag(n).has(Role.GRAD)})
     last = sg.tagged(Role.GRAD, with_backward[-1]) if with_backward else {}
@@ -312,15 +312,14 @@ def _refuse_grads_missing_from_the_last_microbatch(captured: CapturedStep) -> No
             hint="use every trained parameter in every micro-batch (a task's head in each, or 0 * its output)")
 
 
-def _refuse_params_read_after_update(captured: CapturedStep) -> None:
+def _refuse_params_read_after_update(sg: StepGraph) -> None:
     """From stage 1 on the optimizer updates this rank's shard, and the whole parameter exists again only once the
     step gathers it (at its end at stages 1-2, in the next call at stage 3): forward or backward after
     ``optimizer.step()`` in the same call (an evaluation of the updated model, an update before backward) would read
     it stale."""
-    sg = StepGraph(captured.gm)
     fqn_of = {node: fqn for fqn, node in sg.params().items()}
     first_write: dict[str, fx.Node] = {}
-    for node in captured.gm.graph.nodes:
+    for node in sg.graph.nodes:
         if node.op != "call_function":
             continue
         for arg in node.all_input_nodes:
@@ -350,12 +349,12 @@ def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -
             hint="call optimizer.zero_grad() before the first call, or use stage 0")
 
 
-def _grads_kept_for_next_call(captured: CapturedStep, binding: StepBinding, args: tuple, specs: DTensorSpecs | None,
-                              mixed: MixedPrecision | None) -> frozenset[str]:
+def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple,
+                              specs: DTensorSpecs | None, mixed: MixedPrecision | None) -> frozenset[str]:
     """From stage 1 on, or under mixed precision, the gradients the step keeps for its next call
     (`_left_unused_by_an_optimizer`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
     precision."""
-    kept = _left_unused_by_an_optimizer(captured, binding, args)
+    kept = _left_unused_by_an_optimizer(captured, sg, binding, args)
     if kept and mixed is not None and mixed.scaling is not None:
         raise CaptureError(
             f"the train step leaves the gradient of '{kept[0]}' for its next call under float16 loss scaling; the "
