@@ -37,7 +37,10 @@ def _module_zero_grad_last(model, optimizer, x, y):
 
 def _zero_grad_first_keeping_zeros(model, optimizer, x, y):
     optimizer.zero_grad(set_to_none=False)
-    return _no_zero_grad(model, optimizer, x, y)
+    loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    return loss
 
 
 LOOPS = {"zero_grad first": train_step, "zero_grad last": _zero_grad_last,
@@ -602,36 +605,6 @@ def closure_against_the_referee(rank, world_size, stage, precision, steps=4):
                                    rtol=1e-5 if mixed is None else 1e-2, atol=0, msg=f"call {i}")
     if mixed is None:
         assert_matches_ddp(step, ref_model, ref_opt)
-        return None
-    return _update_error(zerofx.full_state_dict(step), ref_model)
-
-
-# --- no zero_grad() anywhere ---------------------------------------------------------------------------------------
-
-def _no_zero_grad(model, optimizer, x, y):
-    """No ``zero_grad()`` anywhere: every update steps with the sum of all the gradients so far, as eager does."""
-    loss = model(x, y)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
-def no_zero_grad_against_the_referee(rank, world_size, stage, precision, steps=4):
-    """Against DDP in fp32 and FSDP2 in bf16 running the same loop; returns how far the parameters' updates are
-    from FSDP2's (None in fp32, where parameters and optimizer state are compared with DDP's)."""
-    ref_model, referee = _referee(precision)
-    model = gpt_and_adamw()[0]
-    ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (ref_model, model))
-    mixed = zerofx.MixedPrecision(PRECISIONS[precision]) if precision != "fp32" else None
-    step = zerofx.compile(_no_zero_grad, stage=stage, mixed_precision=mixed)
-    for i in range(steps):
-        x, y = token_batch(i, rank)
-        torch.testing.assert_close(step(model, opt, x, y).item(), _no_zero_grad(referee, ref_opt, x, y).item(),
-                                   rtol=1e-5 if mixed is None else 1e-2, atol=0, msg=f"call {i}")
-    if mixed is None:
-        # from stage 1 on the kept shard and the call's reduced gradient are added after the reduction, DDP adds
-        # before it: sums in another order (as accumulation across calls, above)
-        assert_matches_ddp(step, ref_model, ref_opt, atol=5e-6 if stage >= 1 else 1e-7)
         return None
     return _update_error(zerofx.full_state_dict(step), ref_model)
 

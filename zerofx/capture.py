@@ -41,8 +41,8 @@ from zerofx.rng import traced_rng_state
 from zerofx.mixed_precision import (MixedPrecision, MixedPrecisionTrace, NormsWithStatistics, cast_floating_inputs,
                                     drop_superseded_conversions)
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, is_mutating, storage_root
-from zerofx.trace_events import (PhaseRecorder, RegionRecorder, at_update_start, hook, on_optimizer_start,
-                                 record_resets, swap_optimizer, track_backward)
+from zerofx.trace_events import (PhaseRecorder, RegionRecorder, at_update_start, hook, on_optimizer_start, swap_optimizer,
+                                 track_backward)
 from zerofx.units import UnitRule, picked_modules
 
 
@@ -54,7 +54,6 @@ class CapturedStep:
     user_out_spec: pytree.TreeSpec
     user_out_constants: dict[int, Any]  # leaves of the user's output that are not tensors
     grads_left: frozenset[str] = frozenset()  # parameters whose .grad eager leaves set after the step
-    reset_before_backward: frozenset[str] = frozenset()  # parameters whose .grad zero_grad() resets before backward
     # each module argument's modules' ``training`` flags as the step leaves them, where it changes one
     # (``model.train()`` inside the step): a run of the graph sets them again, as the step's code would
     modes_left: tuple[tuple[bool, ...], ...] | None = None
@@ -148,9 +147,6 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             stack.enter_context(track_backward(recorder, fake_params, mixed_trace))
             for path, module in checkpointed:
                 stack.enter_context(regions.watch(path, module))
-            stack.enter_context(record_resets(recorder, {id(t): fqn for tensors in (fake_params, fake_masters,
-                                                                                    optimizer_targets)
-                                                         for fqn, t in tensors.items()}))
             if mixed_trace is not None:
                 stack.enter_context(mixed_trace.zero_grad_reaches_both())
             user_out = train_step(*call_args)
@@ -208,8 +204,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     _refuse_python_side_effects(plain_before, binding, args, train_step)
     modes_after = binding.training_modes(args)
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
-                        reset_before_backward=frozenset(recorder.reset_before_backward),
-                        modes_left=modes_after if modes_after != modes_before else None)
+                        modes_after if modes_after != modes_before else None)
 
 
 def _inside_grad_scaler(tb) -> bool:

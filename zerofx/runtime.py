@@ -240,10 +240,9 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
     ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
     override = state.trace_value if state else None
-    given = incoming_grads(binding, probe=probe_grads)
-    captured = capture(train_step, binding, args, override, mixed, given, checkpoint, specs)
+    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=probe_grads),
+                       checkpoint, specs)
     read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
-    added_to = _added_to(captured, set(given))
     if not read <= set(present_grads(binding)):
         captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=False),
                            checkpoint, specs)
@@ -256,7 +255,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
         _refuse_params_read_after_update(captured_sg)
         _refuse_grads_not_kept(captured, state)
     if ctx.stage >= 1 or mixed is not None:
-        ctx.grads_kept = _grads_kept_for_next_call(captured, captured_sg, binding, args, specs, mixed, added_to)
+        ctx.grads_kept = _grads_kept_for_next_call(captured, captured_sg, binding, args, specs, mixed)
         keep_grad_outputs(captured.gm.graph, ctx.grads_kept)  # the others live inside the step
         captured.gm.recompile()
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
@@ -282,31 +281,12 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, reads, snapshots)
 
 
-def _added_to(captured: CapturedStep, given: set[str]) -> set[str]:
-    """The gradients the step leaves that it adds to when it finds one there: not reset by ``zero_grad()`` before
-    backward, and, where the trace was ``given`` one, read and not zeroed first (``.grad = None`` by hand)."""
-    sg = StepGraph(captured.gm)
-    read = sg.placeholders(Role.GRAD_IN)
-
-    def added(fqn: str) -> bool:
-        if fqn in captured.reset_before_backward:
-            return False
-        if fqn not in given:
-            return True
-        node = read.get(fqn)
-        return node is not None and min(node.users, key=sg.order.__getitem__).target is not torch.ops.aten.zero_.default
-
-    return {fqn for fqn in captured.grads_left if added(fqn)}
-
-
-def _left_unused_by_an_optimizer(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple,
-                                 added_to: set[str]) -> list[str]:
-    """The gradients a call leaves in ``.grad`` that an optimizer holds and the next call may add to: those no
-    optimizer stepped with (an update every k-th call, or one optimizer of two stepping), and those it stepped with
-    too where the step adds to the incoming gradient (``added_to``: no ``zero_grad()`` before its backward), as eager
-    adds to them, unless the step zeroed them after (zeros add nothing). (A parameter no optimizer holds keeps a gradient
-    nothing reads; one the step updated with and does not read again is dropped, as the ``zero_grad()`` before the
-    next use of it would; one updated before the backward that left it is kept.)"""
+def _left_unused_by_an_optimizer(captured: CapturedStep, sg: StepGraph, binding: StepBinding,
+                                 args: tuple) -> list[str]:
+    """The gradients a call leaves in ``.grad`` that an optimizer holds but did not step with: the next call adds to
+    them (an update every k-th call, or one optimizer of two stepping). (A parameter no optimizer holds keeps a
+    gradient nothing reads; one the step updated with is dropped, as the ``zero_grad()`` before the next use of it
+    would; one updated before the backward that left it is kept.)"""
     held = {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
             for p in group["params"]}
     updates, grads = sg.updated_params(), sg.tagged(Role.GRAD)
@@ -314,13 +294,7 @@ def _left_unused_by_an_optimizer(captured: CapturedStep, sg: StepGraph, binding:
     def stepped_with(fqn: str) -> bool:  # a step that updates first and then runs backward keeps the new gradient
         return fqn in updates and (fqn not in grads or sg.order[updates[fqn]] > sg.order[grads[fqn]])
 
-    left = {slot.fqn: value for value, slot in zip(sg.output.args[0], sg.output_slots()) if slot.role == Role.GRAD_OUT}
-
-    def dropped(fqn: str) -> bool:
-        zeroed = getattr(left.get(fqn), "target", None) is torch.ops.aten.zero_.default
-        return stepped_with(fqn) and (fqn not in added_to or zeroed)
-
-    return sorted(f for f in captured.grads_left & held if not dropped(f))
+    return sorted(f for f in captured.grads_left & held if not stepped_with(f))
 
 
 def _refuse_grads_missing_from_the_last_microbatch(sg: StepGraph) -> None:
@@ -376,12 +350,11 @@ def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -
 
 
 def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple,
-                              specs: DTensorSpecs | None, mixed: MixedPrecision | None,
-                              added_to: set[str]) -> frozenset[str]:
+                              specs: DTensorSpecs | None, mixed: MixedPrecision | None) -> frozenset[str]:
     """From stage 1 on, or under mixed precision, the gradients the step keeps for its next call
     (`_left_unused_by_an_optimizer`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
     precision."""
-    kept = _left_unused_by_an_optimizer(captured, sg, binding, args, added_to)
+    kept = _left_unused_by_an_optimizer(captured, sg, binding, args)
     if kept and mixed is not None and mixed.scaling is not None:
         raise CaptureError(
             f"the train step leaves the gradient of '{kept[0]}' for its next call under float16 loss scaling; the "

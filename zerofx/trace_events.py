@@ -28,7 +28,6 @@ class PhaseRecorder:
         self.in_optimizer_step = False
         self.seen_backward = False
         self.stepped_after_backward = False
-        self.reset_before_backward: set[str] = set()  # fqns whose gradient zero_grad() reset before any backward
         # (node, slot) pairs: the node holding a gradient at the moment of the event. Gradients are updated in
         # place (accumulation, clipping), so the tensor's final node would be the wrong one.
         self.grad_nodes: list[tuple[fx.Node, Slot]] = []
@@ -80,32 +79,6 @@ class PhaseRecorder:
         for node in graph.nodes:
             if TAG not in node.meta:
                 node.meta[TAG] = NodeTag(Phase.OPTIMIZER if node.op == "output" else Phase.FORWARD, self.microbatch)
-
-
-@contextlib.contextmanager
-def record_resets(recorder: PhaseRecorder, fqn_of: dict[int, str]):
-    """Note in ``recorder.reset_before_backward`` the parameters (``fqn_of``: id of a traced tensor -> fqn) whose
-    gradient ``Module.zero_grad()`` or ``Optimizer.zero_grad()`` resets before the step's first backward: the step
-    does not add to the gradient it finds there, whether or not this trace was given one."""
-    originals = torch.nn.Module.zero_grad, torch.optim.Optimizer.zero_grad
-
-    def note(params) -> None:
-        if not recorder.seen_backward:
-            recorder.reset_before_backward.update(fqn_of[id(p)] for p in params if id(p) in fqn_of)
-
-    def module_zero_grad(module, set_to_none: bool = True):
-        note(module.parameters())
-        originals[0](module, set_to_none)
-
-    def optimizer_zero_grad(optimizer, set_to_none: bool = True):
-        note(p for group in optimizer.param_groups for p in group["params"])
-        originals[1](optimizer, set_to_none)
-
-    torch.nn.Module.zero_grad, torch.optim.Optimizer.zero_grad = module_zero_grad, optimizer_zero_grad
-    try:
-        yield
-    finally:
-        torch.nn.Module.zero_grad, torch.optim.Optimizer.zero_grad = originals
 
 
 REGION = "zerofx_region"  # node.meta: the checkpointed module call whose forward made the node
