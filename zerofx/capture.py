@@ -41,8 +41,8 @@ from zerofx.rng import traced_rng_state
 from zerofx.mixed_precision import (MixedPrecision, MixedPrecisionTrace, NormsWithStatistics, cast_floating_inputs,
                                     drop_superseded_conversions)
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, is_mutating, storage_root
-from zerofx.trace_events import (PhaseRecorder, RegionRecorder, at_update_start, hook, on_optimizer_start, swap_optimizer,
-                                 track_backward)
+from zerofx.trace_events import (PhaseRecorder, RegionRecorder, at_update_start, hook, on_optimizer_start,
+                                 swap_optimizer, track_backward)
 from zerofx.units import UnitRule, picked_modules
 
 
