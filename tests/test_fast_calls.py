@@ -3,12 +3,13 @@ the graph names, and computes bitwise what the graph computes."""
 
 import gc
 import sys
+import weakref
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from zerofx.fast_calls import bindings_graph, fast_calls
+from zerofx.fast_calls import Runnable, bindings_graph, fast_calls
 
 aten = torch.ops.aten
 
@@ -49,6 +50,50 @@ def test_runs_bitwise_as_the_graph_and_mutates_inputs_alike():
     want, got = gm(*want_inputs), fast_calls(gm)(*got_inputs)
     for a, b in zip(want + want_inputs, got + got_inputs):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_in_pieces_runs_bitwise_as_the_graph_and_mutates_inputs_alike():
+    gm = _traced()
+    want_inputs, got_inputs = _inputs(), _inputs()
+    runnable = Runnable(gm, bindings_graph(gm), nodes_per_piece=2)
+    want, got = gm(*want_inputs), runnable(*got_inputs)
+    for a, b in zip(want + want_inputs, got + got_inputs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    body = len(gm.graph.nodes) - 4 - 1  # less the four inputs and the output
+    assert runnable.code.count("def forward(self, inputs, carried)") == (body + 1) // 2
+
+
+_WATCHED: list[weakref.ref] = []
+
+
+def _made(x):
+    return x * 2
+
+
+def _watched_sum(t):
+    _WATCHED.append(weakref.ref(t))
+    return t.sum()
+
+
+def _still_alive(_):
+    return [ref() is not None for ref in _WATCHED]
+
+
+def test_a_value_carried_between_pieces_is_freed_after_its_last_use_as_in_one_piece():
+    """``made`` comes from the first piece; the second reads it for the last time and then asks whether it is
+    alive: only the piece's own name held it, and the list it came in was emptied."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    made = graph.call_function(_made, (x,))
+    other = graph.call_function(torch.neg, (x,))
+    total = graph.call_function(_watched_sum, (made,))
+    alive = graph.call_function(_still_alive, (total,))
+    graph.output((alive, other))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    for nodes_per_piece in (2, 100):
+        _WATCHED.clear()
+        alive, other = Runnable(gm, graph, nodes_per_piece)(torch.ones(3))
+        assert alive == [False] and torch.equal(other, -torch.ones(3))
 
 
 def test_an_overload_no_binding_reaches_keeps_its_overload():
