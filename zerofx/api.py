@@ -166,7 +166,7 @@ class CompiledStep:
         self._last: runtime.CompiledGraph | None = None
         self._last_records: list = []
         self._last_probe: StepProbe | None = None
-        self._reads_incoming_grads = False  # learned from the traces (each offers every incoming gradient)
+        self._reads_incoming_grads: bool | None = None  # learned from the first trace
         self._specs = DTensorSpecs()  # the DTensors among parameters and optimizer state, before they are taken
         self._dp = mesh_ranks(config.mesh)
         if config.partition_activations and self._dp.tp_size == 1:
@@ -210,7 +210,7 @@ class CompiledStep:
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = self._dp.size, self._dp.rank, self._dp.group_name
-        key = guards.step_key(binding, args, self._owned_parts, self._reads_incoming_grads, self.train_step)
+        key = guards.step_key(binding, args, self._owned_parts, bool(self._reads_incoming_grads), self.train_step)
         same = key == self._last_key  # the common case: no freezing, hashing or cache lookup
         if not same:
             self._refuse_refreezing(binding)
@@ -335,11 +335,12 @@ class CompiledStep:
                           carry_agreement=c.verify_ranks and dist.is_initialized()
                           and world_size == dist.get_world_size())
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
-                                 checkpoint=c.checkpoint, specs=self._specs,
-                                 keep_graphs=c.keep_graphs or c.dump_dir is not None, arena=self._arena)
+                                 probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint,
+                                 specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None,
+                                 arena=self._arena)
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True, step_fn=self.train_step)
-        self._reads_incoming_grads = self._reads_incoming_grads or compiled.reads_incoming_grads
+        self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)
         self._cache[guards.freeze(key)] = compiled
         self._traces += 1
         if len(self._cache) > c.max_traces:

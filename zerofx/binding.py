@@ -125,14 +125,16 @@ def _collect(named, prefix, canonical: dict, aliases: dict) -> None:
         aliases[full] = by_id[id(t)]
 
 
+def incoming_grads(binding: StepBinding, *, probe: bool) -> list[str]:
+    """The trainable parameters whose incoming ``.grad`` a trace gives the step: those that have one as the step is
+    called, or with ``probe`` every one (stand-ins where there is none), to learn whether the step reads them at all
+    (it does not when it resets gradients before backward). Under mixed precision it is the fp32 master's gradient
+    (`MixedPrecisionTrace`)."""
+    return list(binding.trainable()) if probe else present_grads(binding)
+
+
 def present_grads(binding: StepBinding) -> list[str]:
-    """The trainable parameters with an incoming ``.grad``: not None, and not a marker of a gradient the step
-    dropped (`ShardedState.mark_dropped`), which stands for none."""
-    return [fqn for fqn, p in binding.trainable().items() if _holds_a_gradient(p.grad)]
-
-
-def _holds_a_gradient(grad) -> bool:
-    return grad is not None and getattr(grad, "holds_a_gradient", True)
+    return [fqn for fqn, p in binding.trainable().items() if p.grad is not None]
 
 
 def input_slots(binding: StepBinding, args: tuple, mixed: MixedPrecision | None = None,
@@ -194,9 +196,8 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
             values.append(binding.buffers[s.fqn])
         elif s.role == Role.GRAD_IN:
             grad = binding.params[s.fqn].grad
-            if not _holds_a_gradient(grad):  # a probing trace's stand-in: shape and dtype only, never read for values
-                of = Slot(Role.MASTER if mixed is not None else Role.PARAM, s.fqn)  # mixed: the fp32 master's
-                param = override(of) if override is not None else None
+            if grad is None:  # a probing trace's stand-in: shape and dtype only, never read for its values
+                param = override(Slot(Role.PARAM, s.fqn)) if override is not None else None
                 grad = torch.empty_like(binding.params[s.fqn] if param is None else param)
             values.append(grad)
         elif s.role == Role.OPT_STATE:

@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from zerofx import collectives, dump
-from zerofx.binding import StepBinding, input_values, present_grads
+from zerofx.binding import StepBinding, incoming_grads, input_values, present_grads
 from zerofx.capture import CapturedStep, capture
 from zerofx.errors import CaptureError, user_frame_from_stack_trace
 from zerofx.fast_calls import Runnable, fast_calls
@@ -127,10 +127,6 @@ class CompiledGraph:
     output_slots: list[Slot]
     shared_arena: SharedArena  # the step's, shared by its cached graphs
     left_grads: set[str] = field(default_factory=set)  # parameters whose .grad the step sets; the others it clears
-    # those it clears where eager leaves the gradient an update stepped with (`ShardedState.mark_dropped`)
-    dropped_grads: frozenset[str] = frozenset()
-    grads_added_to: frozenset[str] = frozenset()  # incoming gradients it adds to where it finds them (not reset)
-    grads_passed_on: frozenset[str] = frozenset()  # incoming gradients it leaves as they are (an evaluation)
     reads_incoming_grads: bool = False  # the step accumulates into a .grad it finds set (no zero_grad before)
     snapshots: dict[str, GraphSnapshot] = field(default_factory=dict)  # "capture" and each pass's (keep_graphs)
     verified: bool = False
@@ -235,23 +231,21 @@ def _structure(graph: fx.Graph) -> tuple:
 
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
-          state: ShardedState | None, mixed: MixedPrecision | None, checkpoint: UnitRule | None = None,
-          specs: DTensorSpecs | None = None, keep_graphs: bool = False, *, arena: SharedArena) -> CompiledGraph:
-    """Capture, then run the stage's passes. Capture first offers every incoming gradient, to learn which the step
-    reads and adds to (none where it resets gradients before backward); if it reads one that this call does not have
-    (`present_grads`), capture again without. ``checkpoint`` picks the modules whose activations backward recomputes;
-    ``specs`` names the DTensor inputs; ``keep_graphs`` copies the graph after capture and after each pass (a copy
-    per pass: a sixth of the build); ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared
-    with this one."""
+          state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool,
+          checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None,
+          keep_graphs: bool = False, *, arena: SharedArena) -> CompiledGraph:
+    """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
+    learn whether the step reads them; if it reads one that this call does not have, capture again without.
+    ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
+    ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
+    ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
     override = state.trace_value if state else None
-    captured = capture(train_step, binding, args, override, mixed, list(binding.trainable()), checkpoint, specs)
+    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=probe_grads),
+                       checkpoint, specs)
     read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
-    added_to, passed_on = _incoming_grads_use(StepGraph(captured.gm))
-    if state is not None:
-        state.refuse_adding_to_dropped(binding, added_to)
-    present = present_grads(binding)
-    if not read <= set(present):
-        captured = capture(train_step, binding, args, override, mixed, present, checkpoint, specs)
+    if not read <= set(present_grads(binding)):
+        captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=False),
+                           checkpoint, specs)
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
@@ -260,11 +254,8 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     if ctx.stage >= 1:
         _refuse_params_read_after_update(captured_sg)
         _refuse_grads_not_kept(captured, state)
-    dropped = frozenset()
     if ctx.stage >= 1 or mixed is not None:
-        stepped_with = _left_and_stepped_with(captured, captured_sg, binding, args)
-        ctx.grads_kept = _grads_kept_for_next_call(captured, binding, args, specs, mixed, stepped_with)
-        dropped = frozenset(stepped_with - _zeroed_at_the_end(captured_sg))
+        ctx.grads_kept = _grads_kept_for_next_call(captured, captured_sg, binding, args, specs, mixed)
         keep_grad_outputs(captured.gm.graph, ctx.grads_kept)  # the others live inside the step
         captured.gm.recompile()
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
@@ -287,52 +278,23 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     # a step that leaves gradients for its next call reads incoming ones then (its first call may not have: one that
     # opens a window with zero_grad()), so which exist is part of its key
     reads = bool(read) or bool(ctx.grads_kept)
-    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, dropped, added_to,
-                         passed_on, reads, snapshots)
+    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, reads, snapshots)
 
 
-def _left_and_stepped_with(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple) -> set[str]:
-    """The gradients a call leaves in ``.grad`` that an optimizer holds and stepped with (after the backward that
-    left them: a step that updates first keeps the new gradient). The step drops them, as the ``zero_grad()`` before
-    the next use of them would."""
-    held = _held_by_an_optimizer(binding, args)
-    updates, grads = sg.updated_params(), sg.tagged(Role.GRAD)
-    return {f for f in captured.grads_left & held
-            if f in updates and (f not in grads or sg.order[updates[f]] > sg.order[grads[f]])}
-
-
-_ZEROING = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
-
-
-def _incoming_grads_use(sg: StepGraph) -> tuple[frozenset[str], frozenset[str]]:
-    """The parameters whose incoming gradient the step adds to (reads other than by zeroing it first), and those whose
-    incoming gradient it leaves as it found it (returns it untouched: an evaluation, a parameter backward misses)."""
-    added_to, passed_on = set(), set()
-    for fqn, node in sg.placeholders(Role.GRAD_IN).items():
-        first = min(node.users, key=sg.order.__getitem__)
-        if first.op == "output":
-            passed_on.add(fqn)
-        elif first.target not in _ZEROING:
-            added_to.add(fqn)
-    return frozenset(added_to), frozenset(passed_on)
-
-
-def _held_by_an_optimizer(binding: StepBinding, args: tuple) -> set[str]:
-    return {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
+def _left_unused_by_an_optimizer(captured: CapturedStep, sg: StepGraph, binding: StepBinding,
+                                 args: tuple) -> list[str]:
+    """The gradients a call leaves in ``.grad`` that an optimizer holds but did not step with: the next call adds to
+    them (an update every k-th call, or one optimizer of two stepping). (A parameter no optimizer holds keeps a
+    gradient nothing reads; one the step updated with is dropped, as the ``zero_grad()`` before the next use of it
+    would; one updated before the backward that left it is kept.)"""
+    held = {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
             for p in group["params"]}
+    updates, grads = sg.updated_params(), sg.tagged(Role.GRAD)
 
+    def stepped_with(fqn: str) -> bool:  # a step that updates first and then runs backward keeps the new gradient
+        return fqn in updates and (fqn not in grads or sg.order[updates[fqn]] > sg.order[grads[fqn]])
 
-def _zeroed_at_the_end(sg: StepGraph) -> set[str]:
-    """The parameters whose gradient output was last written by a zeroing op (``zero_grad(set_to_none=False)``
-    after the update): nothing for a next backward to add to."""
-    last_write: dict[fx.Node, fx.Node] = {}
-    for node in sg.graph.nodes:
-        if is_mutating(node):
-            for arg in pytree.tree_leaves(node.args):
-                if isinstance(arg, fx.Node):
-                    last_write[storage_root(arg)] = node
-    return {slot.fqn for value, slot in zip(sg.output.args[0], sg.output_slots())
-            if slot.role == Role.GRAD_OUT and getattr(last_write.get(storage_root(value)), "target", None) in _ZEROING}
+    return sorted(f for f in captured.grads_left & held if not stepped_with(f))
 
 
 def _refuse_grads_missing_from_the_last_microbatch(sg: StepGraph) -> None:
@@ -387,13 +349,12 @@ def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -
             hint="call optimizer.zero_grad() before the first call, or use stage 0")
 
 
-def _grads_kept_for_next_call(captured: CapturedStep, binding: StepBinding, args: tuple, specs: DTensorSpecs | None,
-                              mixed: MixedPrecision | None, stepped_with: set[str]) -> frozenset[str]:
-    """From stage 1 on, or under mixed precision, the gradients the step keeps for its next call: those it leaves in
-    ``.grad`` that an optimizer holds and has not ``stepped_with`` (an update every k-th call, or one optimizer of two
-    stepping; a parameter no optimizer holds keeps a gradient nothing reads). This rank's shard of each from stage 1
-    on, the fp32 master's gradient under mixed precision."""
-    kept = sorted((captured.grads_left & _held_by_an_optimizer(binding, args)) - stepped_with)
+def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple,
+                              specs: DTensorSpecs | None, mixed: MixedPrecision | None) -> frozenset[str]:
+    """From stage 1 on, or under mixed precision, the gradients the step keeps for its next call
+    (`_left_unused_by_an_optimizer`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
+    precision."""
+    kept = _left_unused_by_an_optimizer(captured, sg, binding, args)
     if kept and mixed is not None and mixed.scaling is not None:
         raise CaptureError(
             f"the train step leaves the gradient of '{kept[0]}' for its next call under float16 loss scaling; the "
@@ -433,8 +394,6 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
         return state.lookup(slot) if state else None
 
     keeps_grads = state is not None and state.stage >= 1  # from stage 1 on, what the step leaves it keeps itself
-    if state is not None and state.dropped:
-        state.refuse_adding_to_dropped(binding, compiled.grads_added_to)
     if keeps_grads:
         state.take_back_grads(binding, compiled.grads_read)
     _release_unread_grads(binding, compiled.grads_read)
@@ -474,8 +433,6 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
             p.grad = None  # the step left no gradient (zero_grad at its end, or a sharded stage)
     if keeps_grads:
         state.keep_grads(binding, kept_grads)
-    if state is not None:
-        state.mark_dropped(binding, compiled.dropped_grads, kept_marked=compiled.grads_passed_on)
     if compiled.captured.modes_left is not None:
         for modules, modes in zip(binding.submodules(args), compiled.captured.modes_left):
             for module, training in zip(modules, modes):

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor
 
 from zerofx.binding import StepBinding
 from zerofx.errors import CaptureError, user_frame
@@ -45,11 +43,7 @@ class ShardedState:
     # stages 1-3: this rank's reduced shard of each gradient the last call left for the next to add to (an update
     # every k-th call); the parameter's ``.grad`` meanwhile holds an empty marker (`keep_grads`)
     kept_grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    _markers: dict[str, "GradMarker"] = field(default_factory=dict)
-    # the gradients the last call's update stepped with, which eager leaves in .grad for the next backward to add to
-    # and the step dropped: a marker holds their place until zero_grad() clears it (`mark_dropped`)
-    dropped: dict[str, "GradMarker"] = field(default_factory=dict)
-    _spare_markers: dict[str, "GradMarker"] = field(default_factory=dict)  # made once per parameter: a call marks many
+    _markers: dict[str, "KeptGradMarker"] = field(default_factory=dict)
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
@@ -151,47 +145,12 @@ class ShardedState:
 
     def keep_grads(self, binding: StepBinding, grads: dict[str, torch.Tensor]) -> None:
         """Hold ``grads`` (this rank's shards) for the next call, and drop those held before. Each parameter's
-        ``.grad`` becomes an empty `GradMarker`, so that the caller sees a gradient exists and the step sees
+        ``.grad`` becomes an empty `KeptGradMarker`, so that the caller sees a gradient exists and the step sees
         what the caller does to it between calls (`take_back_grads`)."""
         self.kept_grads, self._markers = grads, {}
         for fqn in grads:
             p = binding.params[fqn]
-            p.grad = self._markers[fqn] = GradMarker.like(p, holds_a_gradient=True)
-
-    def mark_dropped(self, binding: StepBinding, fqns: frozenset[str], kept_marked: frozenset[str]) -> None:
-        """After a call: ``fqns``' gradients, which its update stepped with, are gone where eager leaves them for the
-        next backward to add to. Each ``.grad`` gets a `GradMarker` that holds no gradient (not a DTensor's: no
-        marker can stand in for one), so that the next call sees whether ``zero_grad()`` came first
-        (`refuse_adding_to_dropped`); a trace takes it for no gradient. The markers of ``kept_marked``, gradients
-        the call left as they were (an evaluation), stay."""
-        markers = {fqn: m for fqn, m in self.dropped.items() if fqn in kept_marked}
-        self.dropped = {}
-        for fqn, p in binding.params.items():
-            if fqn in markers:
-                p.grad = self.dropped[fqn] = markers[fqn]
-            elif fqn in fqns and not isinstance(p, DTensor):
-                marker = self._spare_markers.get(fqn)
-                if marker is None or marker.shape != p.shape:
-                    marker = self._spare_markers[fqn] = GradMarker.like(p, holds_a_gradient=False)
-                marker.writes.clear()
-                p.grad = self.dropped[fqn] = marker
-
-    def refuse_adding_to_dropped(self, binding: StepBinding, added_to: frozenset[str]) -> None:
-        """Before a call: forget the markers ``zero_grad()`` cleared since the last (set to None, replaced, or zeroed,
-        as the step adds to nothing then: the same sums); refuse a call whose graph adds to one still there: eager
-        would add this call's gradients to those the last update stepped with, which the step no longer has."""
-        self.dropped = {fqn: m for fqn, m in self.dropped.items() if binding.params[fqn].grad is m and not m.zeroed}
-        for fqn in self.dropped:
-            if fqn in added_to:
-                where = "under mixed precision" if self.stage == 0 else f"from stage {self.stage} on"
-                raise CaptureError(
-                    f"the step adds to the .grad of parameter '{fqn}', which still holds the gradient the last call's "
-                    f"update stepped with (no zero_grad() since); {where} the step drops that gradient after the "
-                    "update, so this call would step with its own gradients alone, where eager steps with their sum",
-                    source=user_frame(),
-                    hint="call optimizer.zero_grad() after each update (inside the step or between calls); to step "
-                         "with the sum of every gradient so far, as eager does without zero_grad(), use stage 0 in "
-                         "fp32")
+            p.grad = self._markers[fqn] = torch.empty(0, dtype=p.dtype, device=p.device).as_subclass(KeptGradMarker)
 
     def take_back_grads(self, binding: StepBinding, read: frozenset[str]) -> None:
         """Before a call: drop the kept gradients it will not read, or whose marker ``zero_grad()`` set to None;
@@ -210,7 +169,7 @@ class ShardedState:
                 del self.kept_grads[fqn], self._markers[fqn]
                 continue
             writes = marker.writes
-            if grad is not marker or (writes and not marker.zeroed):
+            if grad is not marker or any(op not in KeptGradMarker.ZEROING for op in writes):
                 what = "replaced" if grad is not marker else f"written in place ({writes[0]})"
                 raise CaptureError(
                     f"the .grad of parameter '{fqn}' was {what} between calls; from stage {self.stage} on the step "
@@ -242,50 +201,28 @@ class ShardedState:
         return self.opt_state.get((slot.optimizer, slot.fqn, slot.key)) if slot.role == Role.OPT_STATE else None
 
 
-class GradMarker(torch.Tensor):
-    """What ``.grad`` holds where the step keeps or dropped a gradient eager would leave there (`keep_grads`,
-    `mark_dropped`): a tensor of the parameter's shape over a single NaN (empty from stage 1 on, as the parameter
-    is), which records the in-place ops the caller runs on it (``zero_grad(set_to_none=False)`` zeroes it;
-    ``clip_grad_norm_`` would scale it) without running them; the next call applies or refuses them."""
+class KeptGradMarker(torch.Tensor):
+    """The empty tensor in ``.grad`` of a parameter whose gradient shard the step keeps between calls: it records the
+    in-place ops the caller runs on it (``zero_grad(set_to_none=False)`` zeroes it; ``clip_grad_norm_`` would scale
+    it), which the next call applies or refuses."""
 
     ZEROING = ("zero_", "_foreach_zero_")
     _METADATA = ("requires_grad_", "detach_")  # what zero_grad() also calls: no values change
-
-    @classmethod
-    def like(cls, param: torch.Tensor, holds_a_gradient: bool) -> "GradMarker":
-        """Of ``param``'s shape, reading as NaN; ``holds_a_gradient``: whether it stands for one the step keeps."""
-        marker = torch.full((), float("nan"), dtype=param.dtype, device=param.device).expand(param.shape)
-        marker = marker.as_subclass(cls)
-        marker.holds_a_gradient = holds_a_gradient
-        return marker
 
     @property
     def writes(self) -> list[str]:
         return self.__dict__.setdefault("_writes", [])
 
-    @property
-    def zeroed(self) -> bool:
-        """Written, and by ``zero_grad(set_to_none=False)`` only."""
-        return bool(self.writes) and all(op in self.ZEROING for op in self.writes)
-
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        marked = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, GradMarker)]
+        if name.endswith("_") and not name.startswith("__") and name not in cls._METADATA:
+            for arg in args:
+                for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                    if isinstance(t, KeptGradMarker):
+                        t.writes.append(name)
         with torch._C.DisableTorchFunctionSubclass():
-            if not (name.endswith("_") and not name.startswith("__") and name not in cls._METADATA and marked):
-                return func(*args, **kwargs)
-            for t in marked:
-                t.writes.append(name)
-            # run on stand-ins: the marker's one element cannot take a write, the other tensors must
-            stand_in_args, stand_in_kwargs = pytree.tree_map_only(GradMarker, _stand_in, (args, kwargs))
-            result = func(*stand_in_args, **stand_in_kwargs)
-        return args[0] if isinstance(args[0], GradMarker) else result
-
-
-def _stand_in(marker: GradMarker) -> torch.Tensor:
-    return torch.empty(marker.shape, dtype=marker.dtype, device=marker.device)
+            return func(*args, **(kwargs or {}))
 
 
 def refuse_taken(binding: StepBinding) -> None:
