@@ -155,6 +155,21 @@ def _param_write_outside_optimizer(model, opt, x, y):
     return loss
 
 
+_LOGGED = []
+
+
+def _logs_item(model, opt, x, y):
+    loss = train_step(model, opt, x, y)
+    _LOGGED.append(loss.item())
+    return loss
+
+
+def _prints_float(model, opt, x, y):
+    loss = train_step(model, opt, x, y)
+    print(f"loss {float(loss):.3f}")
+    return loss
+
+
 def _returns_item(model, opt, x, y):
     return train_step(model, opt, x, y).item()
 
@@ -171,7 +186,10 @@ def _grad_scaler(model, opt, x, y, scaler=torch.amp.GradScaler("cpu")):
 
 @pytest.mark.parametrize("step_fn,construct,line", [
     (_loss_branch, "bool() of a tensor decides a branch", "if loss > 1.0:"),
-    (_item_branch, "Python control flow on .item()", "if loss.item() > 1.0:"),
+    (_item_branch, "Python uses a number read from a tensor", "if loss.item() > 1.0:"),
+    # the trace would log a symbol once, and the graph's runs nothing: refused, not silently
+    (_logs_item, "reads a number from a tensor into Python", "_LOGGED.append(loss.item())"),
+    (_prints_float, "Python uses a number read from a tensor", 'print(f"loss {float(loss):.3f}")'),
     (_param_write_outside_optimizer, "in-place update of parameter 'wte.weight' outside the optimizer",
      "model.wte.weight.mul_(0.5)"),
     (_returns_item, "returns a Python number computed from a tensor", None),

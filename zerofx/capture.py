@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -173,11 +174,14 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                      "does (scale, unscale before your code reads gradients, skip a non-finite update on every rank, "
                      "grow or back off the scale) inside the graph; or autocast to bfloat16, which needs no scaler"
             ) from None
-        construct = ("Python control flow on .item(): a number read from a tensor decides a branch"
-                     if source and ".item()" in source else
-                     "Python control flow on a tensor value: bool() of a tensor decides a branch")
+        if source and _NUMBER_READ.search(source):
+            raise CaptureError(
+                "Python uses a number read from a tensor (.item(), float(), int()) while the step traces (a branch, "
+                "a print or format): the trace has a symbol there, not the number, and later calls run no Python",
+                source=source, hint="compute with the tensor (torch.where for a branch), or return the tensor and "
+                                    "read the number after the step") from None
         raise CaptureError(
-            construct,
+            "Python control flow on a tensor value: bool() of a tensor decides a branch",
             source=source,
             hint="compute both branches with torch.where, or move the decision out of the train step",
         ) from None
@@ -198,6 +202,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     slots = _drop_unread_grads(gm.graph, slots)
     _hyperparams_as_floats(gm.graph, {s for s in slots if s.role == Role.HYPERPARAM
                                       and hyperparam_traced_as_tensor(optimizers[s.optimizer], s)})
+    _refuse_numbers_read_into_python(gm.graph)
     kept = _tag_outputs(gm.graph, out_slots)
     # every pass ends with recompile(); a lazy module generates the Python code once, when the step first runs
     gm = _LazyGraphModule.from_graphmodule(gm)
@@ -377,6 +382,25 @@ def _hyperparams_as_floats(graph: fx.Graph, as_tensors: set[Slot]) -> None:
                 node.meta["val"] = reader.meta["val"]
                 reader.replace_all_uses_with(node)
                 graph.erase_node(reader)
+
+
+_NUMBER_READ = re.compile(r"\.item\(\)|\.tolist\(\)|\b(float|int)\(")  # in a source line: Python takes a number
+
+
+def _refuse_numbers_read_into_python(graph: fx.Graph) -> None:
+    """A number the step reads from a tensor (``.item()``, ``float()``, ``.tolist()``) that no op of the graph uses
+    went to Python alone (a log list, a print): the trace hands Python a symbol there, once, and the graph's runs
+    run no Python. Refused, naming the line. (Hyperparameters' reads are the graph's inputs by now; what an optimizer
+    reads from its state, a step count, is read from an input.)"""
+    for node in graph.nodes:
+        if node.target is torch.ops.aten._local_scalar_dense.default and not node.users \
+                and storage_root(node.args[0]).op != "placeholder":
+            raise CaptureError(
+                "the train step reads a number from a tensor into Python (.item(), float(), .tolist()) and no op of "
+                "the step uses it: a compiled step runs its Python only when it traces, so a log or a print there "
+                "gets a symbol, once, not the number on every call",
+                source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
+                hint="return the tensor (the loss, or a dict of what to log) and read .item() after the step")
 
 
 def _refuse_writes_into(hyperparam: fx.Node) -> None:
