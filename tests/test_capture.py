@@ -204,6 +204,18 @@ def test_unsupported_step_constructs_raise_capture_error(step_fn, construct, lin
         assert "test_capture.py" in info.value.source and line in info.value.source
 
 
+@pytest.mark.parametrize("stage, precision", [(1, None), (2, torch.bfloat16), (3, torch.float16), (3, None)])
+def test_a_number_only_python_reads_is_refused_at_every_stage_and_precision(stage, precision):
+    """The check reads the captured graph before any stage's passes; under mixed precision the loss is the one the
+    step computes in param_dtype (stage 0 in fp32: the case above)."""
+    model, opt = gpt_and_adamw()
+    mixed = zerofx.MixedPrecision(precision) if precision else None
+    step = zerofx.compile(_logs_item, stage=stage, mixed_precision=mixed)
+    with pytest.raises(zerofx.CaptureError, match="reads a number from a tensor into Python") as info:
+        step(model, opt, *token_batch(0, 0))
+    assert "_LOGGED.append(loss.item())" in info.value.source
+
+
 def test_unsupported_optimizer_raises_capture_error():
     model, _ = gpt_and_adamw()
     # RAdam branches in Python on its step count, a tensor the graph reads
