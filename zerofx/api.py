@@ -167,6 +167,7 @@ class CompiledStep:
         self._last_records: list = []
         self._last_probe: StepProbe | None = None
         self._reads_incoming_grads: bool | None = None  # learned from the first trace
+        self._grads_added_to: frozenset[str] = frozenset()  # whose incoming .grad a trace's backward added to
         self._specs = DTensorSpecs()  # the DTensors among parameters and optimizer state, before they are taken
         self._dp = mesh_ranks(config.mesh)
         if config.partition_activations and self._dp.tp_size == 1:
@@ -337,7 +338,8 @@ class CompiledStep:
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
                                  probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint,
                                  specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None,
-                                 arena=self._arena)
+                                 arena=self._arena, grads_added_to=self._grads_added_to)
+        self._grads_added_to = compiled.grads_added_to
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True, step_fn=self.train_step)
         self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)

@@ -128,6 +128,7 @@ class CompiledGraph:
     shared_arena: SharedArena  # the step's, shared by its cached graphs
     left_grads: set[str] = field(default_factory=set)  # parameters whose .grad the step sets; the others it clears
     reads_incoming_grads: bool = False  # the step accumulates into a .grad it finds set (no zero_grad before)
+    grads_added_to: frozenset[str] = frozenset()  # whose incoming .grad this trace (or an earlier one) added to
     snapshots: dict[str, GraphSnapshot] = field(default_factory=dict)  # "capture" and each pass's (keep_graphs)
     verified: bool = False
     has_run: bool = False
@@ -233,9 +234,11 @@ def _structure(graph: fx.Graph) -> tuple:
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
           state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool,
           checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None,
-          keep_graphs: bool = False, *, arena: SharedArena) -> CompiledGraph:
+          keep_graphs: bool = False, *, arena: SharedArena,
+          grads_added_to: frozenset[str] = frozenset()) -> CompiledGraph:
     """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
     learn whether the step reads them; if it reads one that this call does not have, capture again without.
+    ``grads_added_to``: the parameters whose incoming gradient earlier traces of the step added to.
     ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
     ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
     ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
@@ -243,6 +246,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=probe_grads),
                        checkpoint, specs)
     read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
+    added_to = grads_added_to | _grads_added_to(StepGraph(captured.gm))
     if not read <= set(present_grads(binding)):
         captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=False),
                            checkpoint, specs)
@@ -255,7 +259,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
         _refuse_params_read_after_update(captured_sg)
         _refuse_grads_not_kept(captured, state)
     if ctx.stage >= 1 or mixed is not None:
-        ctx.grads_kept = _grads_kept_for_next_call(captured, captured_sg, binding, args, specs, mixed)
+        ctx.grads_kept = _grads_kept_for_next_call(captured, captured_sg, binding, args, specs, mixed, added_to)
         keep_grad_outputs(captured.gm.graph, ctx.grads_kept)  # the others live inside the step
         captured.gm.recompile()
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
@@ -278,15 +282,19 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     # a step that leaves gradients for its next call reads incoming ones then (its first call may not have: one that
     # opens a window with zero_grad()), so which exist is part of its key
     reads = bool(read) or bool(ctx.grads_kept)
-    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, reads, snapshots)
+    return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, reads, added_to,
+                         snapshots)
 
 
-def _left_unused_by_an_optimizer(captured: CapturedStep, sg: StepGraph, binding: StepBinding,
-                                 args: tuple) -> list[str]:
-    """The gradients a call leaves in ``.grad`` that an optimizer holds but did not step with: the next call adds to
-    them (an update every k-th call, or one optimizer of two stepping). (A parameter no optimizer holds keeps a
-    gradient nothing reads; one the step updated with is dropped, as the ``zero_grad()`` before the next use of it
-    would; one updated before the backward that left it is kept.)"""
+def _left_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple,
+                        added_to: frozenset[str]) -> tuple[list[str], list[str]]:
+    """The gradients a call leaves in ``.grad`` that an optimizer holds, in two lists. First, those it did not step
+    with: the next call adds to them (an update every k-th call, or one optimizer of two stepping). Then, those it
+    stepped with whose incoming gradient the step adds to (``added_to``: backward with no ``zero_grad()`` before it):
+    eager's next call adds to them too unless a ``zero_grad()`` comes between, which only the caller knows (those the
+    step leaves as zeros are dropped: adding to zeros adds nothing). (A
+    parameter no optimizer holds keeps a gradient nothing reads; one the step updated with and that the step resets
+    before backward is dropped, as that reset would; one updated before the backward that left it is kept.)"""
     held = {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
             for p in group["params"]}
     updates, grads = sg.updated_params(), sg.tagged(Role.GRAD)
@@ -294,7 +302,33 @@ def _left_unused_by_an_optimizer(captured: CapturedStep, sg: StepGraph, binding:
     def stepped_with(fqn: str) -> bool:  # a step that updates first and then runs backward keeps the new gradient
         return fqn in updates and (fqn not in grads or sg.order[updates[fqn]] > sg.order[grads[fqn]])
 
-    return sorted(f for f in captured.grads_left & held if not stepped_with(f))
+    left, zeroed = captured.grads_left & held, _left_zeroed(sg)
+    return (sorted(f for f in left if not stepped_with(f)),
+            sorted(f for f in left if stepped_with(f) and f in added_to and f not in zeroed))
+
+
+def _grads_added_to(sg: StepGraph) -> frozenset[str]:
+    """The parameters whose incoming gradient the step reads before anything zeroes it (backward accumulates into
+    it): not those ``zero_grad(set_to_none=False)`` zeroes first."""
+    zeroing = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
+    return frozenset(fqn for fqn, node in sg.placeholders(Role.GRAD_IN).items()
+                     if node.users and min(node.users, key=sg.order.__getitem__).target not in zeroing)
+
+
+def _left_zeroed(sg: StepGraph) -> frozenset[str]:
+    """The parameters whose gradient the step leaves as zeros: zeroing is the last write to the output's storage
+    (``zero_grad(set_to_none=False)`` after the update)."""
+    last_write = {}
+    for node in sg.graph.nodes:
+        if is_mutating(node):
+            written = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            for target in written:
+                if isinstance(target, fx.Node):
+                    last_write[storage_root(target)] = node
+    zeroing = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
+    return frozenset(slot.fqn for slot, value in zip(sg.output_slots(), sg.output.args[0])
+                     if slot.role == Role.GRAD_OUT and isinstance(value, fx.Node)
+                     and getattr(last_write.get(storage_root(value)), "target", None) in zeroing)
 
 
 def _refuse_grads_missing_from_the_last_microbatch(sg: StepGraph) -> None:
@@ -350,25 +384,29 @@ def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -
 
 
 def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple,
-                              specs: DTensorSpecs | None, mixed: MixedPrecision | None) -> frozenset[str]:
+                              specs: DTensorSpecs | None, mixed: MixedPrecision | None,
+                              added_to: frozenset[str]) -> frozenset[str]:
     """From stage 1 on, or under mixed precision, the gradients the step keeps for its next call
-    (`_left_unused_by_an_optimizer`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
-    precision."""
-    kept = _left_unused_by_an_optimizer(captured, sg, binding, args)
-    if kept and mixed is not None and mixed.scaling is not None:
+    (`_left_for_next_call`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
+    precision. Those an update used are not kept under float16 loss scaling or for tensor-parallel parameters
+    (README: limits)."""
+    unused, stepped_with = _left_for_next_call(captured, sg, binding, args, added_to)
+    if unused and mixed is not None and mixed.scaling is not None:
         raise CaptureError(
-            f"the train step leaves the gradient of '{kept[0]}' for its next call under float16 loss scaling; the "
+            f"the train step leaves the gradient of '{unused[0]}' for its next call under float16 loss scaling; the "
             "scale is updated once per call, where GradScaler's users update it once per optimizer step",
             hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
                  "optimizer.step()), or use bfloat16")
-    split = [f for f in kept if specs is not None and specs.of(Slot(Role.GRAD_OUT, f)) is not None]
-    if split:
+    split = {f for f in [*unused, *stepped_with] if specs is not None and specs.of(Slot(Role.GRAD_OUT, f)) is not None}
+    if split & set(unused):
         raise CaptureError(
-            f"the train step leaves the gradient of tensor-parallel parameter '{split[0]}' for its next call; "
-            "gradients kept between calls are supported for parameters that are not DTensors",
+            f"the train step leaves the gradient of tensor-parallel parameter '{min(split & set(unused))}' for its "
+            "next call; gradients kept between calls are supported for parameters that are not DTensors",
             hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
                  "optimizer.step())")
-    return frozenset(kept)
+    if mixed is not None and mixed.scaling is not None:
+        stepped_with = []
+    return frozenset(unused) | frozenset(f for f in stepped_with if f not in split)
 
 
 def _write_timeline(dump_dir: str, snapshots: dict[str, GraphSnapshot]) -> None:

@@ -11,6 +11,8 @@ place, `zerofx.full_state_dict(step)` gathers it.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +45,7 @@ class ShardedState:
     # stages 1-3: this rank's reduced shard of each gradient the last call left for the next to add to (an update
     # every k-th call); the parameter's ``.grad`` meanwhile holds an empty marker (`keep_grads`)
     kept_grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    _markers: dict[str, "KeptGradMarker"] = field(default_factory=dict)
+    _markers: dict[str, weakref.ref] = field(default_factory=dict)  # to each kept shard's KeptGradMarker
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
@@ -146,11 +148,17 @@ class ShardedState:
     def keep_grads(self, binding: StepBinding, grads: dict[str, torch.Tensor]) -> None:
         """Hold ``grads`` (this rank's shards) for the next call, and drop those held before. Each parameter's
         ``.grad`` becomes an empty `KeptGradMarker`, so that the caller sees a gradient exists and the step sees
-        what the caller does to it between calls (`take_back_grads`)."""
+        what the caller does to it between calls (`take_back_grads`); a shard goes as soon as nothing holds its
+        marker (``zero_grad()`` set ``.grad`` to None), as eager's gradient would."""
         self.kept_grads, self._markers = grads, {}
         for fqn in grads:
             p = binding.params[fqn]
-            p.grad = self._markers[fqn] = torch.empty(0, dtype=p.dtype, device=p.device).as_subclass(KeptGradMarker)
+            p.grad = marker = KeptGradMarker.of(p, fqn)
+            self._markers[fqn] = weakref.ref(marker, functools.partial(self._drop_kept, fqn))
+
+    def _drop_kept(self, fqn: str, marker: weakref.ref) -> None:
+        if self._markers.get(fqn) is marker:
+            del self.kept_grads[fqn], self._markers[fqn]
 
     def take_back_grads(self, binding: StepBinding, read: frozenset[str]) -> None:
         """Before a call: drop the kept gradients it will not read, or whose marker ``zero_grad()`` set to None;
@@ -163,10 +171,10 @@ class ShardedState:
                 "live with the step, and it accumulates only into those it kept from its last call",
                 source=user_frame(), hint="call optimizer.zero_grad() before the step, or use stage 0")
         for fqn in list(self.kept_grads):
-            grad, marker = binding.params[fqn].grad, self._markers[fqn]
+            grad, marker = binding.params[fqn].grad, self._markers[fqn]()
             if grad is None or fqn not in read:
+                del self.kept_grads[fqn], self._markers[fqn]  # first: the marker's going then finds nothing to drop
                 binding.params[fqn].grad = None
-                del self.kept_grads[fqn], self._markers[fqn]
                 continue
             writes = marker.writes
             if grad is not marker or any(op not in KeptGradMarker.ZEROING for op in writes):
@@ -204,10 +212,20 @@ class ShardedState:
 class KeptGradMarker(torch.Tensor):
     """The empty tensor in ``.grad`` of a parameter whose gradient shard the step keeps between calls: it records the
     in-place ops the caller runs on it (``zero_grad(set_to_none=False)`` zeroes it; ``clip_grad_norm_`` would scale
-    it), which the next call applies or refuses."""
+    it), which the next call applies or refuses, and refuses at once to be read (a norm logged between calls would
+    be an empty tensor's)."""
 
     ZEROING = ("zero_", "_foreach_zero_")
     _METADATA = ("requires_grad_", "detach_")  # what zero_grad() also calls: no values change
+    # reads of what the marker is, not of values (the properties but .data: ``__get__``)
+    _DESCRIBING = ("__get__", "__repr__", "__format__", "__len__", "numel", "nelement", "size", "dim", "ndimension",
+                   "stride", "element_size", "is_contiguous", "storage_offset")
+
+    @classmethod
+    def of(cls, param: torch.Tensor, fqn: str) -> "KeptGradMarker":
+        marker = torch.empty(0, dtype=param.dtype, device=param.device).as_subclass(cls)
+        marker.__dict__["fqn"] = fqn
+        return marker
 
     @property
     def writes(self) -> list[str]:
@@ -216,11 +234,19 @@ class KeptGradMarker(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name.endswith("_") and not name.startswith("__") and name not in cls._METADATA:
-            for arg in args:
-                for t in arg if isinstance(arg, (list, tuple)) else (arg,):
-                    if isinstance(t, KeptGradMarker):
-                        t.writes.append(name)
+        markers = [t for arg in args for t in (arg if isinstance(arg, (list, tuple)) else (arg,))
+                   if isinstance(t, KeptGradMarker)]
+        if name.endswith("_") and not name.startswith("__"):
+            if name not in cls._METADATA:
+                for marker in markers:
+                    marker.writes.append(name)
+        elif getattr(func, "__self__", None) is torch.Tensor.data or name not in cls._DESCRIBING:
+            fqn = markers[0].__dict__.get("fqn", "?") if markers else "?"
+            raise CaptureError(
+                f"the .grad of parameter '{fqn}' is read between calls ({name if name != '__get__' else '.data'}); "
+                "from stage 1 on the step keeps this rank's shard of the gradient it left, and .grad holds only an "
+                "empty marker", source=user_frame(),
+                hint="read or clip gradients inside the step, after backward(); zero_grad() between calls is fine")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
