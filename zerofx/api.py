@@ -166,7 +166,7 @@ class CompiledStep:
         self._last: runtime.CompiledGraph | None = None
         self._last_records: list = []
         self._last_probe: StepProbe | None = None
-        self._reads_incoming_grads: bool | None = None  # learned from the first trace
+        self._reads_incoming_grads = False  # learned from the traces
         self._grads_added_to: frozenset[str] = frozenset()  # whose incoming .grad a trace's backward added to
         self._specs = DTensorSpecs()  # the DTensors among parameters and optimizer state, before they are taken
         self._dp = mesh_ranks(config.mesh)
@@ -211,7 +211,7 @@ class CompiledStep:
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = self._dp.size, self._dp.rank, self._dp.group_name
-        key = guards.step_key(binding, args, self._owned_parts, bool(self._reads_incoming_grads), self.train_step)
+        key = guards.step_key(binding, args, self._owned_parts, self._reads_incoming_grads, self.train_step)
         same = key == self._last_key  # the common case: no freezing, hashing or cache lookup
         if not same:
             self._refuse_refreezing(binding)
@@ -336,13 +336,20 @@ class CompiledStep:
                           carry_agreement=c.verify_ranks and dist.is_initialized()
                           and world_size == dist.get_world_size())
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
-                                 probe_grads=self._reads_incoming_grads is None, checkpoint=c.checkpoint,
+                                 checkpoint=c.checkpoint,
                                  specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None,
                                  arena=self._arena, grads_added_to=self._grads_added_to)
+        if compiled.grads_added_to - self._grads_added_to and self._cache:
+            # graphs traced before kept none of those gradients after an update: trace them again, keeping them
+            log.warning("zerofx: %s adds to the gradients it finds on this call (no zero_grad() before backward), "
+                        "where its earlier graphs did not: they released the gradients their updates used, as a "
+                        "zero_grad() would, so this call may lack gradients eager would still hold; its other graphs "
+                        "are traced again and keep them from now on", self._name)
+            self._cache.clear()
         self._grads_added_to = compiled.grads_added_to
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True, step_fn=self.train_step)
-        self._reads_incoming_grads = bool(self._reads_incoming_grads or compiled.reads_incoming_grads)
+        self._reads_incoming_grads = self._reads_incoming_grads or compiled.reads_incoming_grads
         self._cache[guards.freeze(key)] = compiled
         self._traces += 1
         if len(self._cache) > c.max_traces:

@@ -197,7 +197,9 @@ def input_values(binding: StepBinding, args: tuple, slots: list[Slot], *, for_tr
         elif s.role == Role.GRAD_IN:
             grad = binding.params[s.fqn].grad
             if grad is None:  # a probing trace's stand-in: shape and dtype only, never read for its values
-                param = override(Slot(Role.PARAM, s.fqn)) if override is not None else None
+                # under mixed precision the fp32 master's gradient, which the step keeps apart once it owns it
+                owned = Slot(Role.MASTER if mixed is not None else Role.PARAM, s.fqn)
+                param = override(owned) if override is not None else None
                 grad = torch.empty_like(binding.params[s.fqn] if param is None else param)
             values.append(grad)
         elif s.role == Role.OPT_STATE:

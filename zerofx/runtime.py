@@ -232,18 +232,18 @@ def _structure(graph: fx.Graph) -> tuple:
 
 
 def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_dir: str | None,
-          state: ShardedState | None, mixed: MixedPrecision | None, probe_grads: bool,
+          state: ShardedState | None, mixed: MixedPrecision | None,
           checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None,
           keep_graphs: bool = False, *, arena: SharedArena,
           grads_added_to: frozenset[str] = frozenset()) -> CompiledGraph:
-    """Capture, then run the stage's passes. With ``probe_grads`` capture first offers every incoming gradient, to
-    learn whether the step reads them; if it reads one that this call does not have, capture again without.
-    ``grads_added_to``: the parameters whose incoming gradient earlier traces of the step added to.
+    """Capture, then run the stage's passes. Capture first offers every incoming gradient, to learn whether the
+    step reads them (and adds to them, `_grads_added_to`); if it reads one that this call does not have, capture
+    again without. ``grads_added_to``: the parameters whose incoming gradient earlier traces of the step added to.
     ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
     ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
     ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
     override = state.trace_value if state else None
-    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=probe_grads),
+    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=True),
                        checkpoint, specs)
     read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
     added_to = grads_added_to | _grads_added_to(StepGraph(captured.gm))
@@ -292,8 +292,8 @@ def _left_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBind
     with: the next call adds to them (an update every k-th call, or one optimizer of two stepping). Then, those it
     stepped with whose incoming gradient the step adds to (``added_to``: backward with no ``zero_grad()`` before it):
     eager's next call adds to them too unless a ``zero_grad()`` comes between, which only the caller knows (those the
-    step leaves as zeros are dropped: adding to zeros adds nothing). (A
-    parameter no optimizer holds keeps a gradient nothing reads; one the step updated with and that the step resets
+    step leaves as zeros are dropped: adding to zeros adds nothing).
+    (A parameter no optimizer holds keeps a gradient nothing reads; one the step updated with and that the step resets
     before backward is dropped, as that reset would; one updated before the backward that left it is kept.)"""
     held = {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
             for p in group["params"]}
@@ -307,12 +307,19 @@ def _left_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBind
             sorted(f for f in left if stepped_with(f) and f in added_to and f not in zeroed))
 
 
+_ZEROING = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)  # zero_grad(set_to_none=False)
+
+
 def _grads_added_to(sg: StepGraph) -> frozenset[str]:
-    """The parameters whose incoming gradient the step reads before anything zeroes it (backward accumulates into
-    it): not those ``zero_grad(set_to_none=False)`` zeroes first."""
-    zeroing = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
-    return frozenset(fqn for fqn, node in sg.placeholders(Role.GRAD_IN).items()
-                     if node.users and min(node.users, key=sg.order.__getitem__).target not in zeroing)
+    """The parameters whose incoming gradient an op of the step reads before anything zeroes it (backward
+    accumulates into it): not those ``zero_grad(set_to_none=False)`` zeroes first, nor those a step that runs no
+    backward (an evaluation) passes on untouched."""
+    added_to = []
+    for fqn, node in sg.placeholders(Role.GRAD_IN).items():
+        ops = [user for user in node.users if user.op == "call_function"]
+        if ops and min(ops, key=sg.order.__getitem__).target not in _ZEROING:
+            added_to.append(fqn)
+    return frozenset(added_to)
 
 
 def _left_zeroed(sg: StepGraph) -> frozenset[str]:
@@ -325,10 +332,9 @@ def _left_zeroed(sg: StepGraph) -> frozenset[str]:
             for target in written:
                 if isinstance(target, fx.Node):
                     last_write[storage_root(target)] = node
-    zeroing = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
     return frozenset(slot.fqn for slot, value in zip(sg.output_slots(), sg.output.args[0])
                      if slot.role == Role.GRAD_OUT and isinstance(value, fx.Node)
-                     and getattr(last_write.get(storage_root(value)), "target", None) in zeroing)
+                     and getattr(last_write.get(storage_root(value)), "target", None) in _ZEROING)
 
 
 def _refuse_grads_missing_from_the_last_microbatch(sg: StepGraph) -> None:
@@ -391,22 +397,24 @@ def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: St
     precision. Those an update used are not kept under float16 loss scaling or for tensor-parallel parameters
     (README: limits)."""
     unused, stepped_with = _left_for_next_call(captured, sg, binding, args, added_to)
-    if unused and mixed is not None and mixed.scaling is not None:
+    scaled = mixed is not None and mixed.scaling is not None
+    if unused and scaled:
         raise CaptureError(
             f"the train step leaves the gradient of '{unused[0]}' for its next call under float16 loss scaling; the "
             "scale is updated once per call, where GradScaler's users update it once per optimizer step",
             hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
                  "optimizer.step()), or use bfloat16")
-    split = {f for f in [*unused, *stepped_with] if specs is not None and specs.of(Slot(Role.GRAD_OUT, f)) is not None}
-    if split & set(unused):
+
+    def split(fqn: str) -> bool:
+        return specs is not None and specs.of(Slot(Role.GRAD_OUT, fqn)) is not None
+
+    if any(split(f) for f in unused):
         raise CaptureError(
-            f"the train step leaves the gradient of tensor-parallel parameter '{min(split & set(unused))}' for its "
-            "next call; gradients kept between calls are supported for parameters that are not DTensors",
+            f"the train step leaves the gradient of tensor-parallel parameter '{next(f for f in unused if split(f))}' "
+            "for its next call; gradients kept between calls are supported for parameters that are not DTensors",
             hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
                  "optimizer.step())")
-    if mixed is not None and mixed.scaling is not None:
-        stepped_with = []
-    return frozenset(unused) | frozenset(f for f in stepped_with if f not in split)
+    return frozenset(unused) | frozenset(f for f in stepped_with if not scaled and not split(f))
 
 
 def _write_timeline(dump_dir: str, snapshots: dict[str, GraphSnapshot]) -> None:

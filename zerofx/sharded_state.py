@@ -217,9 +217,13 @@ class KeptGradMarker(torch.Tensor):
 
     ZEROING = ("zero_", "_foreach_zero_")
     _METADATA = ("requires_grad_", "detach_")  # what zero_grad() also calls: no values change
-    # reads of what the marker is, not of values (the properties but .data: ``__get__``)
+    # what the marker is, not its values (the properties but .data: ``__get__``), and what ``model.to()`` does to a
+    # gradient (converts it, then sets the result as its .data)
     _DESCRIBING = ("__get__", "__repr__", "__format__", "__len__", "numel", "nelement", "size", "dim", "ndimension",
-                   "stride", "element_size", "is_contiguous", "storage_offset")
+                   "stride", "element_size", "is_contiguous", "storage_offset", "is_floating_point", "is_complex",
+                   "to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type",
+                   "_has_compatible_shallow_copy_type")
+    _IN_PLACE = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
 
     @classmethod
     def of(cls, param: torch.Tensor, fqn: str) -> "KeptGradMarker":
@@ -236,10 +240,12 @@ class KeptGradMarker(torch.Tensor):
         name = getattr(func, "__name__", "")
         markers = [t for arg in args for t in (arg if isinstance(arg, (list, tuple)) else (arg,))
                    if isinstance(t, KeptGradMarker)]
-        if name.endswith("_") and not name.startswith("__"):
-            if name not in cls._METADATA:
-                for marker in markers:
-                    marker.writes.append(name)
+        setting_data = name == "__set__" and getattr(func, "__self__", None) is torch.Tensor.data
+        if (name.endswith("_") and not name.startswith("__")) or name in cls._IN_PLACE or setting_data:
+            empty = setting_data and args[1].numel() == 0  # model.to() converting the marker itself
+            if name not in cls._METADATA and not empty:
+                for marker in markers[:1] if name in cls._IN_PLACE or setting_data else markers:
+                    marker.writes.append(".data =" if setting_data else name)
         elif getattr(func, "__self__", None) is torch.Tensor.data or name not in cls._DESCRIBING:
             fqn = markers[0].__dict__.get("fqn", "?") if markers else "?"
             raise CaptureError(
