@@ -338,14 +338,17 @@ class CompiledStep:
         compiled = runtime.build(self.train_step, binding, args, ctx, dump_dir, self._owned, c.mixed_precision,
                                  checkpoint=c.checkpoint,
                                  specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None,
-                                 arena=self._arena, grads_added_to=self._grads_added_to)
-        if compiled.grads_added_to - self._grads_added_to and self._cache:
-            # graphs traced before kept none of those gradients after an update: trace them again, keeping them
+                                 arena=self._arena, grads_added_to=self._grads_added_to,
+                                 first_trace=self._traces == 0)
+        learned = compiled.grads_added_to - self._grads_added_to
+        stale = [k for k, graph in self._cache.items() if graph.grads_released & learned]
+        if stale:  # graphs that released gradients this one adds to: traced again, keeping them
             log.warning("zerofx: %s adds to the gradients it finds on this call (no zero_grad() before backward), "
-                        "where its earlier graphs did not: they released the gradients their updates used, as a "
-                        "zero_grad() would, so this call may lack gradients eager would still hold; its other graphs "
-                        "are traced again and keep them from now on", self._name)
-            self._cache.clear()
+                        "where an earlier graph of it released the gradients its update used, as a zero_grad() "
+                        "would: this call may lack gradients eager would still hold; those graphs are traced again "
+                        "and keep them from now on", self._name)
+            for k in stale:
+                del self._cache[k]
         self._grads_added_to = compiled.grads_added_to
         if compiled.reads_incoming_grads and not self._reads_incoming_grads:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True, step_fn=self.train_step)

@@ -129,6 +129,7 @@ class CompiledGraph:
     left_grads: set[str] = field(default_factory=set)  # parameters whose .grad the step sets; the others it clears
     reads_incoming_grads: bool = False  # the step accumulates into a .grad it finds set (no zero_grad before)
     grads_added_to: frozenset[str] = frozenset()  # whose incoming .grad this trace (or an earlier one) added to
+    grads_released: frozenset[str] = frozenset()  # gradients an update used that the step leaves and releases
     snapshots: dict[str, GraphSnapshot] = field(default_factory=dict)  # "capture" and each pass's (keep_graphs)
     verified: bool = False
     has_run: bool = False
@@ -235,10 +236,12 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
           state: ShardedState | None, mixed: MixedPrecision | None,
           checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None,
           keep_graphs: bool = False, *, arena: SharedArena,
-          grads_added_to: frozenset[str] = frozenset()) -> CompiledGraph:
+          grads_added_to: frozenset[str] = frozenset(), first_trace: bool = True) -> CompiledGraph:
     """Capture, then run the stage's passes. Capture first offers every incoming gradient, to learn whether the
     step reads them (and adds to them, `_grads_added_to`); if it reads one that this call does not have, capture
-    again without. ``grads_added_to``: the parameters whose incoming gradient earlier traces of the step added to.
+    again without. ``grads_added_to``: the parameters whose incoming gradient earlier traces of the step added to;
+    ``first_trace``: no graph of the step exists yet (then reading any offered gradient makes which exist part of
+    the step's key, later only reading one that exists does).
     ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
     ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
     ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
@@ -254,12 +257,14 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
     captured_sg = StepGraph(captured.gm)  # the checks below read it; keep_grad_outputs then changes the graph
+    released = frozenset()
     _refuse_grads_missing_from_the_last_microbatch(captured_sg)
     if ctx.stage >= 1:
         _refuse_params_read_after_update(captured_sg)
         _refuse_grads_not_kept(captured, state)
     if ctx.stage >= 1 or mixed is not None:
-        ctx.grads_kept = _grads_kept_for_next_call(captured, captured_sg, binding, args, specs, mixed, added_to)
+        ctx.grads_kept, released = _grads_kept_for_next_call(captured, captured_sg, binding, args, specs, mixed,
+                                                             added_to)
         keep_grad_outputs(captured.gm.graph, ctx.grads_kept)  # the others live inside the step
         captured.gm.recompile()
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
@@ -281,18 +286,17 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     left_grads = {s.fqn for s in outputs if s.role == Role.GRAD_OUT}
     # a step that leaves gradients for its next call reads incoming ones then (its first call may not have: one that
     # opens a window with zero_grad()), so which exist is part of its key
-    reads = bool(read) or bool(ctx.grads_kept)
+    reads = bool(read if first_trace else read & set(present_grads(binding))) or bool(ctx.grads_kept)
     return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, reads, added_to,
-                         snapshots)
+                         released, snapshots)
 
 
-def _left_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple,
-                        added_to: frozenset[str]) -> tuple[list[str], list[str]]:
+def _left_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBinding,
+                        args: tuple) -> tuple[list[str], list[str]]:
     """The gradients a call leaves in ``.grad`` that an optimizer holds, in two lists. First, those it did not step
     with: the next call adds to them (an update every k-th call, or one optimizer of two stepping). Then, those it
-    stepped with whose incoming gradient the step adds to (``added_to``: backward with no ``zero_grad()`` before it):
-    eager's next call adds to them too unless a ``zero_grad()`` comes between, which only the caller knows (those the
-    step leaves as zeros are dropped: adding to zeros adds nothing).
+    stepped with, but those it leaves as zeros (adding to zeros adds nothing): eager's next call adds to them unless
+    a ``zero_grad()`` comes between, which only the caller knows.
     (A parameter no optimizer holds keeps a gradient nothing reads; one the step updated with and that the step resets
     before backward is dropped, as that reset would; one updated before the backward that left it is kept.)"""
     held = {binding.fqn_of[id(p)] for opt in binding.optimizers(args) for group in opt.param_groups
@@ -304,7 +308,7 @@ def _left_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBind
 
     left, zeroed = captured.grads_left & held, _left_zeroed(sg)
     return (sorted(f for f in left if not stepped_with(f)),
-            sorted(f for f in left if stepped_with(f) and f in added_to and f not in zeroed))
+            sorted(f for f in left if stepped_with(f) and f not in zeroed))
 
 
 _ZEROING = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)  # zero_grad(set_to_none=False)
@@ -391,12 +395,13 @@ def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -
 
 def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple,
                               specs: DTensorSpecs | None, mixed: MixedPrecision | None,
-                              added_to: frozenset[str]) -> frozenset[str]:
+                              added_to: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
     """From stage 1 on, or under mixed precision, the gradients the step keeps for its next call
     (`_left_for_next_call`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
-    precision. Those an update used are not kept under float16 loss scaling or for tensor-parallel parameters
-    (README: limits)."""
-    unused, stepped_with = _left_for_next_call(captured, sg, binding, args, added_to)
+    precision. Those an update used are kept where the step adds to incoming gradients (``added_to``), and not
+    under float16 loss scaling or for tensor-parallel parameters (README: limits). Also returns those an update used
+    that are released because the step was not seen adding to them."""
+    unused, stepped_with = _left_for_next_call(captured, sg, binding, args)
     scaled = mixed is not None and mixed.scaling is not None
     if unused and scaled:
         raise CaptureError(
@@ -414,7 +419,8 @@ def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: St
             "for its next call; gradients kept between calls are supported for parameters that are not DTensors",
             hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
                  "optimizer.step())")
-    return frozenset(unused) | frozenset(f for f in stepped_with if not scaled and not split(f))
+    kept = frozenset(f for f in stepped_with if f in added_to and not scaled and not split(f))
+    return frozenset(unused) | kept, frozenset(f for f in stepped_with if f not in added_to)
 
 
 def _write_timeline(dump_dir: str, snapshots: dict[str, GraphSnapshot]) -> None:
