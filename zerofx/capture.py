@@ -43,7 +43,7 @@ from zerofx.mixed_precision import (MixedPrecision, MixedPrecisionTrace, NormsWi
                                     drop_superseded_conversions)
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, is_mutating, storage_root
 from zerofx.trace_events import (PhaseRecorder, RegionRecorder, at_update_start, hook, on_optimizer_start,
-                                 swap_optimizer, track_backward)
+                                 refuse_scheduler_steps, swap_optimizer, track_backward)
 from zerofx.units import UnitRule, picked_modules
 
 
@@ -146,6 +146,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                 stack.enter_context(at_update_start(opt, lambda: on_optimizer_start(recorder, fake_params)))
                 stack.enter_context(hook(opt.register_step_post_hook(lambda o, *_: optimizer_end(o))))
             stack.enter_context(track_backward(recorder, fake_params, mixed_trace))
+            stack.enter_context(refuse_scheduler_steps())
             for path, module in checkpointed:
                 stack.enter_context(regions.watch(path, module))
             if mixed_trace is not None:

@@ -184,6 +184,27 @@ def track_backward(recorder: PhaseRecorder, fake_params: dict, mixed_trace=None)
         yield
 
 
+@contextlib.contextmanager
+def refuse_scheduler_steps():
+    """An LR scheduler's ``step()`` inside the train step runs only while it traces: the graph would replay what
+    that one call set (nothing, where the schedule keeps the rate then: a StepLR between its steps) at every call.
+    Refused, naming the line, whatever the call sets."""
+    def refused(scheduler, *args, **kwargs):
+        raise CaptureError(
+            f"an LR scheduler's step() ({type(scheduler).__name__}) is called inside the train step: a compiled "
+            "step runs its Python only when it traces, so the schedule would advance once, not at every call",
+            source=user_frame(),
+            hint="call scheduler.step() after the compiled step; the step reads the hyperparameters it sets at "
+                 "every call")
+
+    schedulers = torch.optim.lr_scheduler
+    with contextlib.ExitStack() as stack:
+        for cls in vars(schedulers).values():
+            if isinstance(cls, type) and issubclass(cls, schedulers.LRScheduler) and "step" in vars(cls):
+                stack.enter_context(mock.patch.object(cls, "step", refused))
+        yield
+
+
 def _refuse_hyperparameter_writes(opt, oi: int, as_traced: list[dict]) -> None:
     """The graph reads hyperparameters at every call; one the step sets itself (a scheduler's ``step()`` inside it)
     would be traced once and then lost."""
