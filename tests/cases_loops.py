@@ -261,6 +261,34 @@ def fp16_clip_against_grad_scaler(rank, world_size, stage, steps=5, bucket_bytes
     return {"norms": norms, "scale": step.loss_scale, "ref_scale": scaler.get_scale()}
 
 
+def fp16_updates_without_zero_grad_in_the_step_against_grad_scaler(rank, world_size, stage, calls=6):
+    """An update every call, ``zero_grad()`` outside the step (set to None, zeroed) or nowhere, against FSDP2 in
+    float16 with GradScaler doing the same: where nothing resets ``.grad`` between an update and the next backward,
+    eager adds the scaled gradients to the unscaled ones ``unscale_`` left and unscales the sum. Both start from a
+    scale of 2^10, at which no step overflows. Returns per loop how far the parameters' updates are from FSDP2's."""
+    update_error = {}
+    for name, outside in {"no zero_grad() anywhere": None, "zero_grad() outside, set to None": True,
+                          "zero_grad() outside, zeroed": False}.items():
+        ref_model, ref_opt = _fsdp2_gpt(torch.float16)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        model, opt = gpt_and_adamw()
+        step = zerofx.compile(_update_without_zero_grad, stage=stage, bucket_bytes=8 * 1024,
+                              mixed_precision=zerofx.MixedPrecision(
+                                  torch.float16, loss_scaling=zerofx.LossScaling(init_scale=2.0**10)))
+        for i in range(calls):
+            x, y = token_batch(i, rank)
+            scaler.scale(ref_model(x, y) / 2).backward()  # what _update_without_zero_grad does, scaled
+            scaler.step(ref_opt)
+            scaler.update()
+            step(model, opt, x, y, True)
+            if outside is not None:
+                ref_opt.zero_grad(set_to_none=outside)
+                opt.zero_grad(set_to_none=outside)
+        assert step.loss_scale == scaler.get_scale() == 2.0**10, name
+        update_error[name] = _update_error(zerofx.full_state_dict(step), ref_model)
+    return update_error
+
+
 # --- frozen parameters -----------------------------------------------------------------------------------------------
 
 FROZEN = ("wpe.weight", "blocks.0.ln1.weight", "blocks.0.ln1.bias", "blocks.1.mlp.0.weight")

@@ -3,8 +3,8 @@
 The names follow FSDP2's ``MixedPrecisionPolicy``. The step is traced with the module's parameters in
 ``param_dtype`` (so forward and backward run, and gradients come out, in that dtype; frozen parameters too) while
 the optimizer is pointed at fp32 master copies: after backward each master's gradient is the compute gradient cast
-to fp32 (and unscaled), added to the fp32 gradient an earlier call left where there is one (accumulation across
-calls), and after the optimizer's step each compute parameter is the updated master cast back.
+to fp32 and added to the fp32 gradient an earlier call left where there is one (and the sum unscaled, under loss
+scaling), and after the optimizer's step each compute parameter is the updated master cast back.
 Passes shard the master weights with the optimizer state
 (P_os) and move compute parameters and gradients in the low precision: the paper's b_p = b_g = 2, K = 4 + 8 (a
 gradient kept between calls is fp32).
@@ -70,9 +70,9 @@ class MixedPrecisionTrace:
     """What mixed precision does while the step is traced, as FSDP2's users see it.
 
     Forward and backward run on the compute parameters (``param_dtype``). When a backward ends, each master weight
-    takes its gradient: the compute gradient cast to fp32 and, with loss scaling, unscaled (GradScaler's
-    ``unscale_``), added to the fp32 gradient an earlier call left, with "a gradient is not finite" computed from all
-    of them once. From then until the next forward
+    takes its gradient: the compute gradient cast to fp32, added to the fp32 gradient an earlier call left and, with
+    loss scaling, the sum unscaled (GradScaler's ``unscale_``, which divides all that ``.grad`` holds), with "a
+    gradient is not finite" computed from all of them once. From then until the next forward
     the module shows the master weights, so user code after backward (``clip_grad_norm_``, logging) reads fp32
     unscaled gradients, and any number of optimizers update masters. After each optimizer's step its compute
     parameters take their masters' values; at the end of the step the scale is updated once
@@ -112,13 +112,13 @@ class MixedPrecisionTrace:
                 continue
             m.grad = g.to(m.dtype)
             _flag(m.grad, MASTER_GRAD)
-            if inverse is not None:
-                m.grad.mul_(inverse)
-                checks.append(torch.isfinite(m.grad).all())
-                _flag(checks[-1], PER_TENSOR_CHECK)
             if incoming is not None:
                 m.grad = incoming + m.grad
                 _flag(m.grad, MASTER_GRAD)
+            if inverse is not None:  # as GradScaler's unscale_: all that .grad holds, the incoming gradient too
+                m.grad.mul_(inverse)
+                checks.append(torch.isfinite(m.grad).all())
+                _flag(checks[-1], PER_TENSOR_CHECK)
             self._converted[fqn] = m.grad
         if checks:
             self._found = torch.stack(checks).all().logical_not().float()

@@ -398,9 +398,9 @@ def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: St
                               added_to: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
     """From stage 1 on, or under mixed precision, the gradients the step keeps for its next call
     (`_left_for_next_call`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
-    precision. Those an update used are kept where the step adds to incoming gradients (``added_to``), and not
-    under float16 loss scaling or for tensor-parallel parameters (README: limits). Also returns those an update used
-    that are released because the step was not seen adding to them."""
+    precision. Those an update used are kept where the step adds to incoming gradients (``added_to``), but not for
+    tensor-parallel parameters (README: limits). Also returns those an update used that are released because the
+    step was not seen adding to them."""
     unused, stepped_with = _left_for_next_call(captured, sg, binding, args)
     scaled = mixed is not None and mixed.scaling is not None
     if unused and scaled:
@@ -419,7 +419,7 @@ def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: St
             "for its next call; gradients kept between calls are supported for parameters that are not DTensors",
             hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
                  "optimizer.step())")
-    kept = frozenset(f for f in stepped_with if f in added_to and not scaled and not split(f))
+    kept = frozenset(f for f in stepped_with if f in added_to and not split(f))
     return frozenset(unused) | kept, frozenset(f for f in stepped_with if f not in added_to)
 
 
