@@ -30,7 +30,7 @@ from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext, pipeline
 from zerofx.passes.graph_edit import keep_grad_outputs
 from zerofx.sharded_state import ShardedState
-from zerofx.step_graph import Phase, Role, Slot, StepGraph, is_mutating, storage_root, tag
+from zerofx.step_graph import ZEROING_OPS, Phase, Role, Slot, StepGraph, is_mutating, storage_root, tag
 from zerofx.units import UnitRule
 
 log = logging.getLogger("zerofx")
@@ -238,15 +238,17 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
           keep_graphs: bool = False, *, arena: SharedArena,
           grads_added_to: frozenset[str] = frozenset(), first_trace: bool = True) -> CompiledGraph:
     """Capture, then run the stage's passes. Capture first offers every incoming gradient, to learn whether the
-    step reads them (and adds to them, `_grads_added_to`); if it reads one that this call does not have, capture
-    again without. ``grads_added_to``: the parameters whose incoming gradient earlier traces of the step added to;
+    step reads them (and adds to them, `_grads_added_to`), unless earlier traces saw it add to all of them; if it
+    reads one that this call does not have, capture again without. ``grads_added_to``: the parameters whose incoming gradient earlier traces of the step added to;
     ``first_trace``: no graph of the step exists yet (then reading any offered gradient makes which exist part of
     the step's key, later only reading one that exists does).
     ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
     ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
     ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
     override = state.trace_value if state else None
-    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=True),
+    # once earlier traces saw the step add to every trainable parameter's gradient, offering more teaches nothing
+    probe = not set(binding.trainable()) <= grads_added_to
+    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=probe),
                        checkpoint, specs)
     read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
     added_to = grads_added_to | _grads_added_to(StepGraph(captured.gm))
@@ -311,9 +313,6 @@ def _left_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBind
             sorted(f for f in left if stepped_with(f) and f not in zeroed))
 
 
-_ZEROING = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)  # zero_grad(set_to_none=False)
-
-
 def _grads_added_to(sg: StepGraph) -> frozenset[str]:
     """The parameters whose incoming gradient an op of the step reads before anything zeroes it (backward
     accumulates into it): not those ``zero_grad(set_to_none=False)`` zeroes first, nor those a step that runs no
@@ -321,7 +320,7 @@ def _grads_added_to(sg: StepGraph) -> frozenset[str]:
     added_to = []
     for fqn, node in sg.placeholders(Role.GRAD_IN).items():
         ops = [user for user in node.users if user.op == "call_function"]
-        if ops and min(ops, key=sg.order.__getitem__).target not in _ZEROING:
+        if ops and min(ops, key=sg.order.__getitem__).target not in ZEROING_OPS:
             added_to.append(fqn)
     return frozenset(added_to)
 
@@ -338,7 +337,7 @@ def _left_zeroed(sg: StepGraph) -> frozenset[str]:
                     last_write[storage_root(target)] = node
     return frozenset(slot.fqn for slot, value in zip(sg.output_slots(), sg.output.args[0])
                      if slot.role == Role.GRAD_OUT and isinstance(value, fx.Node)
-                     and getattr(last_write.get(storage_root(value)), "target", None) in _ZEROING)
+                     and getattr(last_write.get(storage_root(value)), "target", None) in ZEROING_OPS)
 
 
 def _refuse_grads_missing_from_the_last_microbatch(sg: StepGraph) -> None:

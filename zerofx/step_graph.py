@@ -88,6 +88,10 @@ def users_in(node: fx.Node, phase: Phase) -> list[fx.Node]:
     return [u for u in node.users if tag(u) is not None and tag(u).phase == phase]
 
 
+# what zero_grad(set_to_none=False) writes into a gradient: zeros, which a later addition reads as none
+ZEROING_OPS = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
+
+
 def is_mutating(node: fx.Node) -> bool:
     """True for an ATen op that writes into one of its arguments (``add_``, ``copy_``, ``out=``)."""
     schema = getattr(node.target, "_schema", None)
