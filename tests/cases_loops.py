@@ -261,18 +261,27 @@ def fp16_clip_against_grad_scaler(rank, world_size, stage, steps=5, bucket_bytes
     return {"norms": norms, "scale": step.loss_scale, "ref_scale": scaler.get_scale()}
 
 
+def _update_unless_evaluating(model, optimizer, x, y):
+    """``_update_without_zero_grad`` updating every call, and an evaluation in eval mode (no backward)."""
+    if not model.training:
+        with torch.no_grad():
+            return model(x, y)
+    return _update_without_zero_grad(model, optimizer, x, y, update=True)
+
+
 def fp16_updates_without_zero_grad_in_the_step_against_grad_scaler(rank, world_size, stage, calls=6):
-    """An update every call, ``zero_grad()`` outside the step (set to None, zeroed) or nowhere, against FSDP2 in
-    float16 with GradScaler doing the same: where nothing resets ``.grad`` between an update and the next backward,
-    eager adds the scaled gradients to the unscaled ones ``unscale_`` left and unscales the sum. Both start from a
-    scale of 2^10, at which no step overflows. Returns per loop how far the parameters' updates are from FSDP2's."""
+    """An update every call, ``zero_grad()`` outside the step (set to None, zeroed) or nowhere, and an evaluation
+    through the step after the third call, against FSDP2 in float16 with GradScaler doing the same: where nothing
+    resets ``.grad`` between an update and the next backward, eager adds the scaled gradients to the unscaled ones
+    ``unscale_`` left and unscales the sum; the evaluation leaves them as they are. Both start from a scale of 2^10,
+    at which no step overflows. Returns per loop how far the parameters' updates are from FSDP2's."""
     update_error = {}
     for name, outside in {"no zero_grad() anywhere": None, "zero_grad() outside, set to None": True,
                           "zero_grad() outside, zeroed": False}.items():
         ref_model, ref_opt = _fsdp2_gpt(torch.float16)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         model, opt = gpt_and_adamw()
-        step = zerofx.compile(_update_without_zero_grad, stage=stage, bucket_bytes=8 * 1024,
+        step = zerofx.compile(_update_unless_evaluating, stage=stage, bucket_bytes=8 * 1024,
                               mixed_precision=zerofx.MixedPrecision(
                                   torch.float16, loss_scaling=zerofx.LossScaling(init_scale=2.0**10)))
         for i in range(calls):
@@ -280,10 +289,16 @@ def fp16_updates_without_zero_grad_in_the_step_against_grad_scaler(rank, world_s
             scaler.scale(ref_model(x, y) / 2).backward()  # what _update_without_zero_grad does, scaled
             scaler.step(ref_opt)
             scaler.update()
-            step(model, opt, x, y, True)
+            step(model, opt, x, y)
             if outside is not None:
                 ref_opt.zero_grad(set_to_none=outside)
                 opt.zero_grad(set_to_none=outside)
+            if i == 2:
+                model.eval(), ref_model.eval()
+                with torch.no_grad():
+                    want = ref_model(x, y).item()
+                torch.testing.assert_close(step(model, opt, x, y).item(), want, rtol=1e-2, atol=0)
+                model.train(), ref_model.train()
         assert step.loss_scale == scaler.get_scale() == 2.0**10, name
         update_error[name] = _update_error(zerofx.full_state_dict(step), ref_model)
     return update_error

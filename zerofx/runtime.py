@@ -239,9 +239,9 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
           grads_added_to: frozenset[str] = frozenset(), first_trace: bool = True) -> CompiledGraph:
     """Capture, then run the stage's passes. Capture first offers every incoming gradient, to learn whether the
     step reads them (and adds to them, `_grads_added_to`), unless earlier traces saw it add to all of them; if it
-    reads one that this call does not have, capture again without. ``grads_added_to``: the parameters whose incoming gradient earlier traces of the step added to;
-    ``first_trace``: no graph of the step exists yet (then reading any offered gradient makes which exist part of
-    the step's key, later only reading one that exists does).
+    reads one that this call does not have, capture again without. ``grads_added_to``: the parameters whose
+    incoming gradient earlier traces of the step added to; ``first_trace``: no graph of the step exists yet (then
+    reading any offered gradient makes which exist part of the step's key, later only reading one that exists does).
     ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
     ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
     ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
@@ -402,10 +402,12 @@ def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: St
     step was not seen adding to them."""
     unused, stepped_with = _left_for_next_call(captured, sg, binding, args)
     scaled = mixed is not None and mixed.scaling is not None
-    if unused and scaled:
+    # an evaluation passing kept gradients on untouched leaves them as they were, unscaled
+    accumulated = [fqn for fqn in unused if fqn in sg.tagged(Role.GRAD)]
+    if accumulated and scaled:
         raise CaptureError(
-            f"the train step leaves the gradient of '{unused[0]}' for its next call under float16 loss scaling; the "
-            "scale is updated once per call, where GradScaler's users update it once per optimizer step",
+            f"the train step leaves the gradient of '{accumulated[0]}' for its next call under float16 loss scaling; "
+            "the scale is updated once per call, where GradScaler's users update it once per optimizer step",
             hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
                  "optimizer.step()), or use bfloat16")
 

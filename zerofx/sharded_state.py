@@ -23,8 +23,7 @@ from zerofx.errors import CaptureError, user_frame
 from zerofx.mesh import local, release, released
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.sharding import ParamLayout
-from zerofx.step_graph import ZEROING_OPS
-from zerofx.step_graph import Role, Slot
+from zerofx.step_graph import ZEROING_OPS, Role, Slot
 
 
 @dataclass
@@ -216,7 +215,7 @@ class KeptGradMarker(torch.Tensor):
     it), which the next call applies or refuses, and refuses at once to be read (a norm logged between calls would
     be an empty tensor's)."""
 
-    ZEROING = tuple(op.overloadpacket.__name__ for op in ZEROING_OPS)
+    ZEROING = tuple(op.overloadpacket.__name__ for op in ZEROING_OPS)  # the torch functions' names, as seen here
     _METADATA = ("requires_grad_", "detach_")  # what zero_grad() also calls: no values change
     # what the marker is, not its values (the properties but .data: ``__get__``), and what ``model.to()`` does to a
     # gradient (converts it, then sets the result as its .data)

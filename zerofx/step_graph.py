@@ -88,7 +88,7 @@ def users_in(node: fx.Node, phase: Phase) -> list[fx.Node]:
     return [u for u in node.users if tag(u) is not None and tag(u).phase == phase]
 
 
-# what zero_grad(set_to_none=False) writes into a gradient: zeros, which a later addition reads as none
+# what zero_grad(set_to_none=False) writes into a gradient: zeros, to which adding adds nothing
 ZEROING_OPS = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
 
 
