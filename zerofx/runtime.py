@@ -403,7 +403,8 @@ def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: St
     unused, stepped_with = _left_for_next_call(captured, sg, binding, args)
     scaled = mixed is not None and mixed.scaling is not None
     # an evaluation passing kept gradients on untouched leaves them as they were, unscaled
-    accumulated = [fqn for fqn in unused if fqn in sg.tagged(Role.GRAD)]
+    computed = sg.tagged(Role.GRAD)
+    accumulated = [fqn for fqn in unused if fqn in computed]
     if accumulated and scaled:
         raise CaptureError(
             f"the train step leaves the gradient of '{accumulated[0]}' for its next call under float16 loss scaling; "
