@@ -271,7 +271,7 @@ def _update_unless_evaluating(model, optimizer, x, y):
 
 def fp16_updates_without_zero_grad_in_the_step_against_grad_scaler(rank, world_size, stage, calls=6):
     """An update every call, ``zero_grad()`` outside the step (set to None, zeroed) or nowhere, and an evaluation
-    through the step after the third call, against FSDP2 in float16 with GradScaler doing the same: where nothing
+    through the step after the third call and a short last batch, against FSDP2 in float16 with GradScaler doing the same: where nothing
     resets ``.grad`` between an update and the next backward, eager adds the scaled gradients to the unscaled ones
     ``unscale_`` left and unscales the sum; the evaluation leaves them as they are. Both start from a scale of 2^10,
     at which no step overflows. Returns per loop how far the parameters' updates are from FSDP2's."""
@@ -285,7 +285,7 @@ def fp16_updates_without_zero_grad_in_the_step_against_grad_scaler(rank, world_s
                               mixed_precision=zerofx.MixedPrecision(
                                   torch.float16, loss_scaling=zerofx.LossScaling(init_scale=2.0**10)))
         for i in range(calls):
-            x, y = token_batch(i, rank)
+            x, y = token_batch(i, rank, batch=2 if i == calls - 1 else 4)  # a short last batch
             scaler.scale(ref_model(x, y) / 2).backward()  # what _update_without_zero_grad does, scaled
             scaler.step(ref_opt)
             scaler.update()
