@@ -9,6 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import cases_loops
 import zerofx
 from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
+from zerofx import runtime
 from zerofx.binding import StepBinding
 from zerofx.capture import capture
 from zerofx.step_graph import Phase, Role, StepGraph, is_mutating, tag
@@ -665,3 +666,62 @@ def test_a_parameter_the_last_microbatch_does_not_use_is_refused(stage):
                                                   r"micro-batch but is not used in the last of 2"):
         zerofx.compile(_head_in_the_first_microbatch_only, stage=stage)(model, opt, torch.randn(4, 8),
                                                                          torch.randn(4, 8))
+
+
+
+def _zero_grad_last(model, opt, x, y, first=None):
+    """``first``: what the step does with .grad before backward ("zeroes" it in place, "looks at" it in Python)."""
+    scale = 1.0
+    if first == "zeroes":
+        opt.zero_grad(set_to_none=False)
+    elif first == "looks at":
+        scale = 1.0 if model.wte.weight.grad is None else 0.5  # eager: never set as a call starts
+    loss = model(x, y) * scale
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _captures_and_eager(monkeypatch, stage, precision, first=None, calls=2):
+    """The step and eager over ``calls`` calls from twin models: the captures made, and eager's last loss."""
+    captures = []
+    monkeypatch.setattr(runtime, "capture", functools.partial(_counted, captures, runtime.capture))
+    mixed = zerofx.MixedPrecision(precision) if precision else None
+    step = zerofx.compile(functools.partial(_zero_grad_last, first=first), stage=stage, mixed_precision=mixed)
+    (model, opt), (eager, eager_opt) = gpt_and_adamw(), gpt_and_adamw()
+    for i in range(calls):
+        loss = step(model, opt, *token_batch(i, 0))
+        eager_loss = _zero_grad_last(eager, eager_opt, *token_batch(i, 0), first=first)
+    if mixed is None:
+        torch.testing.assert_close(zerofx.full_state_dict(step)["model"], eager.state_dict())
+    torch.testing.assert_close(loss.float(), eager_loss, rtol=0 if mixed is None else 2e-2, atol=0)
+    assert not StepGraph(step.graph()).placeholders(Role.GRAD_IN)  # the graph reads no incoming gradient
+    return captures, step
+
+
+def _counted(calls: list, real, *args, **kwargs):
+    calls.append(args)
+    return real(*args, **kwargs)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", [None, torch.bfloat16, torch.float16])
+def test_a_first_call_without_gradients_is_captured_once_where_backward_adds_to_them(monkeypatch, stage, precision):
+    """zero_grad() after step(): the first call has no gradients, and capture offers stand-ins to learn whether
+    backward adds to them. Taken away as backward starts, they leave the call's own graph behind: one capture, where
+    the step captured a second time without them before. Eager trains the same."""
+    captures, step = _captures_and_eager(monkeypatch, stage, precision)
+    assert len(captures) == 1 and step.stats().traces == 1
+
+
+@pytest.mark.parametrize("stage, precision, first", [
+    (0, None, "zeroes"), (1, torch.bfloat16, "zeroes"), (2, torch.float16, "zeroes"), (3, None, "zeroes"),
+    (0, None, "looks at"), (1, None, "looks at"), (3, None, "looks at")])
+def test_a_stand_in_read_before_backward_is_captured_again_without(monkeypatch, stage, precision, first):
+    """A step that zeroes the stand-in in place before backward (an op on a gradient this call does not have), or
+    whose Python looks at it (``p.grad is None`` decides a scale): captured again without stand-ins, and trains as
+    eager, whose zero_grad() skips a missing gradient and whose check finds none. (Under mixed precision the
+    stand-in is the fp32 master's gradient, which the step's Python never sees.)"""
+    captures, step = _captures_and_eager(monkeypatch, stage, precision, first, calls=3)
+    assert len(captures) == 2 and step.stats().traces == 1

@@ -42,8 +42,9 @@ from zerofx.rng import traced_rng_state
 from zerofx.mixed_precision import (MixedPrecision, MixedPrecisionTrace, NormsWithStatistics, cast_floating_inputs,
                                     drop_superseded_conversions)
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot, is_mutating, storage_root
-from zerofx.trace_events import (PhaseRecorder, RegionRecorder, at_update_start, hook, on_optimizer_start,
-                                 refuse_scheduler_steps, swap_optimizer, track_backward)
+from zerofx.trace_events import (HandedToPython, PhaseRecorder, RegionRecorder, at_update_start, hook,
+                                 on_optimizer_start, refuse_scheduler_steps, swap_optimizer, track_backward,
+                                 traced_node)
 from zerofx.units import UnitRule, picked_modules
 
 
@@ -58,17 +59,22 @@ class CapturedStep:
     # each module argument's modules' ``training`` flags as the step leaves them, where it changes one
     # (``model.train()`` inside the step): a run of the graph sets them again, as the step's code would
     modes_left: tuple[tuple[bool, ...], ...] | None = None
+    # parameters whose stand-in gradient was still unread in .grad when backward started: backward would have added
+    # to an incoming gradient there (the stand-in was taken away first, so the graph is the call's own)
+    added_to_at_backward: frozenset[str] = frozenset()
 
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
             override: Callable[[Slot], Any] | None = None, mixed: MixedPrecision | None = None,
             grads: list[str] = (), checkpoint: UnitRule | None = None,
-            specs: DTensorSpecs | None = None) -> CapturedStep:
+            specs: DTensorSpecs | None = None, standins: frozenset[str] = frozenset()) -> CapturedStep:
     """Trace ``train_step(*args)`` with fake tensors into a tagged ATen graph. Nothing real is computed or changed.
     ``override`` supplies stand-ins for state the module no longer holds (a sharded step re-tracing); ``mixed``
     traces forward and backward in its ``param_dtype`` with the optimizer on fp32 master weights; ``grads`` names
-    the parameters whose ``.grad`` the step finds set (the graph keeps those it reads as inputs); the forward nodes of
-    each module ``checkpoint`` picks are marked as a region (`RegionRecorder`) for the pass that recomputes them.
+    the parameters whose ``.grad`` the step finds set (the graph keeps those it reads as inputs), ``standins`` those of
+    them that the call has none of: a stand-in still in ``.grad``, unread, when backward starts is taken away then,
+    and recorded as added to (`CapturedStep.added_to_at_backward`); the forward nodes of each module ``checkpoint``
+    picks are marked as a region (`RegionRecorder`) for the pass that recomputes them.
     The inputs ``specs`` names enter as local tensors and are DTensors again inside the trace (`zerofx.mesh`)."""
     optimizers = binding.optimizers(args)
     modules = binding.modules(args)
@@ -86,6 +92,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     out_slots: list[tuple[Slot, bool]] = []  # (slot, keep as a graph output)
     out_meta: dict[str, Any] = {}
     mixed_traces: list[MixedPrecisionTrace] = []  # made inside the trace, read after it
+    added_to_at_backward: set[str] = set()
     modes_before = binding.training_modes(args)
     plain_before = guards.module_attributes(binding, args), guards.function_values(train_step)
 
@@ -101,9 +108,13 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
         # the optimizers update local tensors: every supported update is elementwise, the same on a shard
         local_fakes = {i: local(f) for i, f in fakes.items()}
         optimizer_targets = {fqn: local(p) for fqn, p in {**fake_params, **fake_masters}.items()}
+        standins_in = {}  # fqn: (the tensor whose .grad holds a stand-in, the stand-in, its input node)
         for i, s in enumerate(slots):
             if s.role == Role.GRAD_IN:  # under mixed precision, the fp32 master's gradient
-                (fake_masters if mixed is not None else fake_params)[s.fqn].grad = fakes[i]
+                holder = (fake_masters if mixed is not None else fake_params)[s.fqn]
+                holder.grad = fakes[i]
+                if s.fqn in standins:
+                    standins_in[s.fqn] = holder, fakes[i], traced_node(fakes[i])
         batch_fakes = iter(fakes[i] for i, s in enumerate(slots) if s.role == Role.BATCH)
         batch = pytree.tree_map_only(torch.Tensor, lambda _: next(batch_fakes), batch_structure)
         call_args = list(args)
@@ -122,6 +133,18 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             recorder.event("forward_start")
             if mixed_trace is not None:
                 mixed_trace.show_compute()
+
+        handed = HandedToPython({fqn: standin for fqn, (_, standin, _) in standins_in.items()})
+
+        def withdraw_standins():
+            """Backward would add to a stand-in still in .grad. Where no op has read it and Python has not held it,
+            taking it away now leaves the rest of the trace the call's own, as if it never had one. (This counts a
+            parameter backward gives no gradient as added to, as the optimizer's read of the stand-in did.)"""
+            handed.recording = False
+            for fqn, (holder, standin, node) in standins_in.items():
+                if holder.grad is standin and not node.users and fqn not in handed.handed:
+                    holder.grad = None
+                    added_to_at_backward.add(fqn)
 
         def optimizer_end(opt):
             if mixed_trace is not None:
@@ -145,12 +168,14 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                                                    {**fake_params, **fake_masters}, optimizer_targets))
                 stack.enter_context(at_update_start(opt, lambda: on_optimizer_start(recorder, fake_params)))
                 stack.enter_context(hook(opt.register_step_post_hook(lambda o, *_: optimizer_end(o))))
-            stack.enter_context(track_backward(recorder, fake_params, mixed_trace))
+            stack.enter_context(track_backward(recorder, fake_params, mixed_trace, withdraw_standins))
             stack.enter_context(refuse_scheduler_steps())
             for path, module in checkpointed:
                 stack.enter_context(regions.watch(path, module))
             if mixed_trace is not None:
                 stack.enter_context(mixed_trace.zero_grad_reaches_both())
+            if standins_in:
+                stack.enter_context(handed)
             user_out = train_step(*call_args)
             if mixed_trace is not None:
                 mixed_trace.at_step_end()
@@ -210,7 +235,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     _refuse_python_side_effects(plain_before, binding, args, train_step)
     modes_after = binding.training_modes(args)
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
-                        modes_after if modes_after != modes_before else None)
+                        modes_after if modes_after != modes_before else None, frozenset(added_to_at_backward))
 
 
 def _inside_grad_scaler(tb) -> bool:

@@ -187,14 +187,19 @@ def fingerprint(gm: fx.GraphModule) -> int:
 def _group_names(graph: fx.Graph):
     """The process-group names the graph's collectives (functional ones and zerofx's) take, in graph order."""
     for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        schema = getattr(node.target, "_schema", None)
-        names = ([a.name for a in schema.arguments] if schema is not None
-                 else list(inspect.signature(node.target).parameters))
-        for name, value in zip(names, node.args):
-            if name in ("group_name", "group") and isinstance(value, str):
-                yield value
+        if node.op == "call_function":
+            for position in _group_positions(node.target):
+                if position < len(node.args) and isinstance(node.args[position], str):
+                    yield node.args[position]
+
+
+@functools.cache
+def _group_positions(target) -> tuple[int, ...]:
+    """Where ``target`` takes a process group's name among its positional arguments (a signature is slow to read:
+    once per op, not once per node)."""
+    schema = getattr(target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else list(inspect.signature(target).parameters)
+    return tuple(i for i, name in enumerate(names) if name in ("group_name", "group"))
 
 
 @dataclass
@@ -238,23 +243,25 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
           keep_graphs: bool = False, *, arena: SharedArena,
           grads_added_to: frozenset[str] = frozenset(), first_trace: bool = True) -> CompiledGraph:
     """Capture, then run the stage's passes. Capture first offers every incoming gradient, to learn whether the
-    step reads them (and adds to them, `_grads_added_to`), unless earlier traces saw it add to all of them; if it
-    reads one that this call does not have, capture again without. ``grads_added_to``: the parameters whose
-    incoming gradient earlier traces of the step added to; ``first_trace``: no graph of the step exists yet (then
-    reading any offered gradient makes which exist part of the step's key, later only reading one that exists does).
-    ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the DTensor inputs;
-    ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of the build);
-    ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
+    step reads them (and adds to them, `_grads_added_to`), unless earlier traces saw it add to all of them. A
+    stand-in for one this call does not have is taken away as backward starts, which tells that backward adds to
+    it; if the step reads one before (zeroes it, updates with it), capture again without. ``grads_added_to``: the
+    parameters whose incoming gradient earlier traces of the step added to; ``first_trace``: no graph of the step
+    exists yet (then reading any offered gradient makes which exist part of the step's key, later only reading one
+    that exists does). ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the
+    DTensor inputs; ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of
+    the build); ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
     override = state.trace_value if state else None
     # once earlier traces saw the step add to every trainable parameter's gradient, offering more teaches nothing
     probe = not set(binding.trainable()) <= grads_added_to
-    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=probe),
-                       checkpoint, specs)
-    read = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
-    added_to = grads_added_to | _grads_added_to(StepGraph(captured.gm))
-    if not read <= set(present_grads(binding)):
-        captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=False),
-                           checkpoint, specs)
+    offered, present = incoming_grads(binding, probe=probe), present_grads(binding)
+    captured = capture(train_step, binding, args, override, mixed, offered, checkpoint, specs,
+                       standins=frozenset(offered) - set(present))
+    read_by_graph = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
+    read = read_by_graph | captured.added_to_at_backward  # for the key, backward adding to a gradient reads it
+    added_to = grads_added_to | _grads_added_to(StepGraph(captured.gm)) | captured.added_to_at_backward
+    if not read_by_graph <= set(present):
+        captured = capture(train_step, binding, args, override, mixed, present, checkpoint, specs)
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
@@ -288,7 +295,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     left_grads = {s.fqn for s in outputs if s.role == Role.GRAD_OUT}
     # a step that leaves gradients for its next call reads incoming ones then (its first call may not have: one that
     # opens a window with zero_grad()), so which exist is part of its key
-    reads = bool(read if first_trace else read & set(present_grads(binding))) or bool(ctx.grads_kept)
+    reads = bool(read if first_trace else read & set(present)) or bool(ctx.grads_kept)
     return CompiledGraph(captured, gm, ctx, sg.input_slots(), outputs, arena, left_grads, reads, added_to,
                          released, snapshots)
 

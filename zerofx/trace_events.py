@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 from unittest import mock
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from torch.overrides import TorchFunctionMode
 
 from zerofx import optim_support
 from zerofx.binding import StepBinding
@@ -160,10 +162,36 @@ def on_optimizer_start(recorder: PhaseRecorder, fake_params: dict) -> None:
             local(p).grad = None if p.grad is None else local(p.grad)
 
 
+class HandedToPython(TorchFunctionMode):
+    """Records which of ``tensors`` (by name) a torch function hands back to the step's Python (``p.grad`` returning
+    a stand-in, an in-place method returning it) while ``recording``: code that holds one may branch on it (``p.grad
+    is None``), which no graph node shows."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self._names = {id(t): name for name, t in tensors.items()}
+        self.handed: set[str] = set()
+        self.recording = True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if self.recording and id(result) in self._names:
+            self.handed.add(self._names[id(result)])
+        return result
+
+
+def traced_node(traced: torch.Tensor) -> fx.Node:
+    """The node whose value ``traced`` (or a DTensor's local tensor) holds now: an op that later writes into it in
+    place becomes its node from then on, and takes this one as an argument."""
+    return get_proxy_slot(local(traced), get_proxy_mode().tracer).proxy.node
+
+
 @contextlib.contextmanager
-def track_backward(recorder: PhaseRecorder, fake_params: dict, mixed_trace=None):
+def track_backward(recorder: PhaseRecorder, fake_params: dict, mixed_trace=None,
+                   at_start: Callable[[], None] | None = None):
     """Phase events around ``torch.autograd.backward``; under mixed precision (a `MixedPrecisionTrace`) backward
-    starts from the scaled loss and ends by giving the master weights their gradients."""
+    starts from the scaled loss and ends by giving the master weights their gradients. ``at_start`` runs as each
+    backward starts."""
     real_backward = torch.autograd.backward
 
     def backward(*a, **k):
@@ -173,6 +201,8 @@ def track_backward(recorder: PhaseRecorder, fake_params: dict, mixed_trace=None)
                                    hint="call loss.backward() on the scalar loss")
             a = (mixed_trace.scale_loss(a[0]),) + a[1:]
         recorder.event("backward_start")
+        if at_start is not None:
+            at_start()
         result = real_backward(*a, **k)
         recorder.event("backward_end")
         recorder.note_grads(fake_params, Role.GRAD)
