@@ -725,3 +725,23 @@ def test_a_stand_in_read_before_backward_is_captured_again_without(monkeypatch, 
     stand-in is the fp32 master's gradient, which the step's Python never sees.)"""
     captures, step = _captures_and_eager(monkeypatch, stage, precision, first, calls=3)
     assert len(captures) == 2 and step.stats().traces == 1
+
+
+def _evaluate_scaled_by_a_look_at_grad(model, opt, x, y):
+    scale = 1.0 if model.wte.weight.grad is None else 0.5  # eager: never set here
+    opt.zero_grad()
+    with torch.no_grad():
+        return model(x, y) * scale
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_stand_in_looked_at_and_dropped_without_backward_is_captured_again_without(monkeypatch, stage):
+    """No op reads the stand-in, and zero_grad() drops it: only the step's Python held it, and branched on it.
+    (Before, this one capture was the graph, with the scale of a call that has a gradient: half eager's loss.)"""
+    captures = []
+    monkeypatch.setattr(runtime, "capture", functools.partial(_counted, captures, runtime.capture))
+    step = zerofx.compile(_evaluate_scaled_by_a_look_at_grad, stage=stage)
+    (model, opt), (eager, eager_opt) = gpt_and_adamw(), gpt_and_adamw()
+    torch.testing.assert_close(step(model, opt, *token_batch(0, 0)),
+                               _evaluate_scaled_by_a_look_at_grad(eager, eager_opt, *token_batch(0, 0)))
+    assert len(captures) == 2

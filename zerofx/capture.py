@@ -62,6 +62,8 @@ class CapturedStep:
     # parameters whose stand-in gradient was still unread in .grad when backward started: backward would have added
     # to an incoming gradient there (the stand-in was taken away first, so the graph is the call's own)
     added_to_at_backward: frozenset[str] = frozenset()
+    # parameters whose stand-in the step's own code held (`HandedToPython`): the graph may be another call's
+    standins_handed: frozenset[str] = frozenset()
 
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
@@ -93,6 +95,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     out_meta: dict[str, Any] = {}
     mixed_traces: list[MixedPrecisionTrace] = []  # made inside the trace, read after it
     added_to_at_backward: set[str] = set()
+    handed_to_python: set[str] = set()  # filled inside the trace
     modes_before = binding.training_modes(args)
     plain_before = guards.module_attributes(binding, args), guards.function_values(train_step)
 
@@ -134,15 +137,14 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             if mixed_trace is not None:
                 mixed_trace.show_compute()
 
-        handed = HandedToPython({fqn: standin for fqn, (_, standin, _) in standins_in.items()})
+        handed = HandedToPython({fqn: standin for fqn, (_, standin, _) in standins_in.items()}, handed_to_python)
 
         def withdraw_standins():
-            """Backward would add to a stand-in still in .grad. Where no op has read it and Python has not held it,
-            taking it away now leaves the rest of the trace the call's own, as if it never had one. (This counts a
-            parameter backward gives no gradient as added to, as the optimizer's read of the stand-in did.)"""
-            handed.recording = False
+            """Backward would add to a stand-in still in .grad. Where no op has read it and the step's code has not
+            held it, taking it away now leaves the rest of the trace the call's own, as if it never had one. (This
+            counts a parameter backward gives no gradient as added to, as the optimizer's read of the stand-in did.)"""
             for fqn, (holder, standin, node) in standins_in.items():
-                if holder.grad is standin and not node.users and fqn not in handed.handed:
+                if holder.grad is standin and not node.users and fqn not in handed_to_python:
                     holder.grad = None
                     added_to_at_backward.add(fqn)
 
@@ -235,7 +237,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     _refuse_python_side_effects(plain_before, binding, args, train_step)
     modes_after = binding.training_modes(args)
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
-                        modes_after if modes_after != modes_before else None, frozenset(added_to_at_backward))
+                        modes_after if modes_after != modes_before else None, frozenset(added_to_at_backward),
+                        frozenset(handed_to_python))
 
 
 def _inside_grad_scaler(tb) -> bool:

@@ -41,7 +41,7 @@ def user_frame(tb=None) -> str | None:
     """The innermost frame of an exception's traceback (None: of the current stack) that lies in the user's code (not
     torch, not zerofx)."""
     frames = [f for f in (traceback.extract_tb(tb) if tb is not None else traceback.extract_stack())
-              if not _is_library(f.filename)]
+              if not is_library_file(f.filename)]
     if not frames:
         return None
     f = frames[-1]
@@ -57,12 +57,13 @@ def user_frame_from_stack_trace(stack_trace: str | None) -> str | None:
         line = lines[i].strip()
         if line.startswith('File "'):
             filename = line.split('"')[1]
-            if not _is_library(filename):
+            if not is_library_file(filename):
                 code = lines[i + 1].strip() if i + 1 < len(lines) else ""
                 lineno = line.split("line ")[1].split(",")[0]
                 return f"{filename}:{lineno}: {code}"
     return None
 
 
-def _is_library(filename: str) -> bool:
+def is_library_file(filename: str) -> bool:
+    """Whether ``filename`` is torch's or zerofx's, not the user's."""
     return os.path.abspath(filename).startswith(_LIBRARY_DIRS)

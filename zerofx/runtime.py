@@ -245,22 +245,23 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     """Capture, then run the stage's passes. Capture first offers every incoming gradient, to learn whether the
     step reads them (and adds to them, `_grads_added_to`), unless earlier traces saw it add to all of them. A
     stand-in for one this call does not have is taken away as backward starts, which tells that backward adds to
-    it; if the step reads one before (zeroes it, updates with it), capture again without. ``grads_added_to``: the
-    parameters whose incoming gradient earlier traces of the step added to; ``first_trace``: no graph of the step
-    exists yet (then reading any offered gradient makes which exist part of the step's key, later only reading one
-    that exists does). ``checkpoint`` picks the modules whose activations backward recomputes; ``specs`` names the
-    DTensor inputs; ``keep_graphs`` copies the graph after capture and after each pass (a copy per pass: a sixth of
-    the build); ``arena``: the bytes the step's other graphs plan into (``memory_plan``), shared with this one."""
+    it; if the step reads one before (zeroes it, updates with it), or its code holds one, capture again without.
+    ``grads_added_to``: the parameters whose incoming gradient earlier traces of the step added to; ``first_trace``:
+    no graph of the step exists yet (then reading any offered gradient makes which exist part of the step's key,
+    later only reading one that exists does). ``checkpoint`` picks the modules whose activations backward
+    recomputes; ``specs`` names the DTensor inputs; ``keep_graphs`` copies the graph after capture and after each
+    pass (a copy per pass: a sixth of the build); ``arena``: the bytes the step's other graphs plan into
+    (``memory_plan``), shared with this one."""
     override = state.trace_value if state else None
     # once earlier traces saw the step add to every trainable parameter's gradient, offering more teaches nothing
     probe = not set(binding.trainable()) <= grads_added_to
     offered, present = incoming_grads(binding, probe=probe), present_grads(binding)
     captured = capture(train_step, binding, args, override, mixed, offered, checkpoint, specs,
                        standins=frozenset(offered) - set(present))
-    read_by_graph = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN}
-    read = read_by_graph | captured.added_to_at_backward  # for the key, backward adding to a gradient reads it
+    read_in_trace = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN} | captured.standins_handed
+    read = read_in_trace | captured.added_to_at_backward  # for the key, backward adding to a gradient reads it
     added_to = grads_added_to | _grads_added_to(StepGraph(captured.gm)) | captured.added_to_at_backward
-    if not read_by_graph <= set(present):
+    if not read_in_trace <= set(present):
         captured = capture(train_step, binding, args, override, mixed, present, checkpoint, specs)
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Callable
 from unittest import mock
 
@@ -13,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from zerofx import optim_support
 from zerofx.binding import StepBinding
-from zerofx.errors import CaptureError, user_frame
+from zerofx.errors import CaptureError, is_library_file, user_frame
 from zerofx.mesh import local
 from zerofx.step_graph import TAG, NodeTag, Phase, Role, Slot
 
@@ -163,19 +164,20 @@ def on_optimizer_start(recorder: PhaseRecorder, fake_params: dict) -> None:
 
 
 class HandedToPython(TorchFunctionMode):
-    """Records which of ``tensors`` (by name) a torch function hands back to the step's Python (``p.grad`` returning
-    a stand-in, an in-place method returning it) while ``recording``: code that holds one may branch on it (``p.grad
-    is None``), which no graph node shows."""
+    """Records into ``handed`` which of ``tensors`` (by name) a torch function hands to the user's code (``p.grad``
+    returning a stand-in, an in-place method returning it): code that holds one may branch on it (``p.grad is
+    None``), which no graph node shows. torch's and zerofx's own code do not count: ``zero_grad()`` looks at a
+    gradient to drop it (which ends where a call without one starts) or zeroes it (an op), an optimizer reads it."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    def __init__(self, tensors: dict[str, torch.Tensor], handed: set[str]):
         super().__init__()
         self._names = {id(t): name for name, t in tensors.items()}
-        self.handed: set[str] = set()
-        self.recording = True
+        self.handed = handed
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        if self.recording and id(result) in self._names:
+        # the code that called it: C++ calls the mode straight from the caller's frame (``p.grad``, ``g.mul_()``)
+        if id(result) in self._names and not is_library_file(sys._getframe(1).f_code.co_filename):
             self.handed.add(self._names[id(result)])
         return result
 
