@@ -34,7 +34,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils import stateless
 
 from zerofx import guards, optim_support
-from zerofx.binding import StepBinding, hyperparam_traced_as_tensor, input_slots, input_values
+from zerofx.binding import StepBinding, hyperparam_traced_as_tensor, input_slots, input_values, present_grads
 from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
 from zerofx.fake_kernels import cpu_dtypes_for_grouped_mm
 from zerofx.mesh import DTensorSpecs, local, rebuild
@@ -69,14 +69,14 @@ class CapturedStep:
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
             override: Callable[[Slot], Any] | None = None, mixed: MixedPrecision | None = None,
             grads: list[str] = (), checkpoint: UnitRule | None = None,
-            specs: DTensorSpecs | None = None, standins: frozenset[str] = frozenset()) -> CapturedStep:
+            specs: DTensorSpecs | None = None) -> CapturedStep:
     """Trace ``train_step(*args)`` with fake tensors into a tagged ATen graph. Nothing real is computed or changed.
     ``override`` supplies stand-ins for state the module no longer holds (a sharded step re-tracing); ``mixed``
     traces forward and backward in its ``param_dtype`` with the optimizer on fp32 master weights; ``grads`` names
-    the parameters whose ``.grad`` the step finds set (the graph keeps those it reads as inputs), ``standins`` those of
-    them that the call has none of: a stand-in still in ``.grad``, unread, when backward starts is taken away then,
-    and recorded as added to (`CapturedStep.added_to_at_backward`); the forward nodes of each module ``checkpoint``
-    picks are marked as a region (`RegionRecorder`) for the pass that recomputes them.
+    the parameters whose ``.grad`` the step finds set (the graph keeps those it reads as inputs; one the call has
+    none of is a stand-in, which is taken away if still in ``.grad``, unread, when backward starts, and recorded as
+    added to: `CapturedStep.added_to_at_backward`); the forward nodes of each module ``checkpoint`` picks are marked
+    as a region (`RegionRecorder`) for the pass that recomputes them.
     The inputs ``specs`` names enter as local tensors and are DTensors again inside the trace (`zerofx.mesh`)."""
     optimizers = binding.optimizers(args)
     modules = binding.modules(args)
@@ -94,6 +94,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     out_slots: list[tuple[Slot, bool]] = []  # (slot, keep as a graph output)
     out_meta: dict[str, Any] = {}
     mixed_traces: list[MixedPrecisionTrace] = []  # made inside the trace, read after it
+    standins = set(grads) - set(present_grads(binding))
     added_to_at_backward: set[str] = set()
     handed_to_python: set[str] = set()  # filled inside the trace
     modes_before = binding.training_modes(args)

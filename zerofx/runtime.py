@@ -255,9 +255,9 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     override = state.trace_value if state else None
     # once earlier traces saw the step add to every trainable parameter's gradient, offering more teaches nothing
     probe = not set(binding.trainable()) <= grads_added_to
-    offered, present = incoming_grads(binding, probe=probe), present_grads(binding)
-    captured = capture(train_step, binding, args, override, mixed, offered, checkpoint, specs,
-                       standins=frozenset(offered) - set(present))
+    present = present_grads(binding)
+    captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=probe),
+                       checkpoint, specs)
     read_in_trace = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN} | captured.standins_handed
     read = read_in_trace | captured.added_to_at_backward  # for the key, backward adding to a gradient reads it
     added_to = grads_added_to | _grads_added_to(StepGraph(captured.gm)) | captured.added_to_at_backward
