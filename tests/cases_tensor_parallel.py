@@ -78,3 +78,69 @@ def stages_match_fsdp2(rank, world_size, runs=tuple((s, "plain", 10) for s in ra
                      "tp_comm": stats.tp_comm_volume, "activation_comm": stats.activation_comm_volume,
                      "report": zerofx.report(step, print_output=False)}
     return out
+
+
+# --- gradients kept between calls for tensor-parallel parameters ---------------------------------------------------
+
+def _update_without_zero_grad(model, optimizer, x, y, update):
+    """No ``zero_grad()`` anywhere in the step: the next call adds to the gradients an update used (eager's
+    behaviour), unless the caller zeroes them between calls."""
+    loss = model(x, y)
+    loss.backward()
+    if update:
+        optimizer.step()
+    return loss
+
+
+def _loop(step, model, opt, dp_rank, calls):
+    """``calls`` of (update?, zero_grad between calls: None, or set_to_none)."""
+    losses = []
+    for i, (update, zero) in enumerate(calls):
+        losses.append(step(model, opt, *token_batch(i, dp_rank, cfg=CFG), update).item())
+        if zero is not None:
+            opt.zero_grad(set_to_none=zero)
+    return losses
+
+
+# an update every call with nothing between (the step adds to the gradient an update used), the same zeroed in
+# place between calls, accumulation over two calls and set to None between calls
+KEPT_GRAD_CALLS = ((True, None), (True, False), (True, None), (False, None), (True, True), (True, None))
+
+
+def kept_gradients_match_fsdp2(rank, world_size, stages=range(4)):
+    """``KEPT_GRAD_CALLS`` with zerofx at each of ``stages`` against FSDP2 + the same tensor-parallel plan running
+    the same loop eagerly (its gradient sync off on calls without an update): losses within rtol 1e-5, full
+    parameters within 1e-5. Then a read of a kept tensor-parallel gradient between calls. Returns, per stage, that
+    read's error, or None."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    model = _tensor_parallel_model(mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
+
+    def fsdp2_step(model, opt, x, y, update):
+        model.set_requires_gradient_sync(update)
+        return _update_without_zero_grad(model, opt, x, y, update)
+
+    want_losses = _loop(fsdp2_step, model, opt, dp_rank, KEPT_GRAD_CALLS)
+    want_params = {name: _full(p.detach()) for name, p in model.named_parameters()}
+    refusals = {}
+    for stage in stages:
+        model = _tensor_parallel_model(mesh)
+        opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
+        step = zerofx.compile(_update_without_zero_grad, stage=stage, mesh=mesh)
+        losses = _loop(step, model, opt, dp_rank, KEPT_GRAD_CALLS)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"stage {stage}: {m}")
+        got = zerofx.full_state_dict(step)["model"]
+        for key, want in want_params.items():
+            torch.testing.assert_close(_full(got[key]), want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"stage {stage}, {key}: {m}")
+        try:
+            model.blocks[0].attn.q.weight.grad.norm()
+            refusals[stage] = None
+        except zerofx.CaptureError as e:
+            refusals[stage] = str(e)
+    return refusals

@@ -49,3 +49,14 @@ def test_p_a_without_a_tensor_parallel_mesh_warns_and_changes_nothing(caplog):
     assert "needs a mesh with a 'tp' dimension" in zerofx.report(step, print_output=False)
     assert step.graph("partition_checkpoints").code == step.graph("checkpoint_activations").code
     torch.testing.assert_close(step.stats().activation_comm_volume, 0.0)
+
+
+def test_tensor_parallel_gradients_kept_between_calls_match_fsdp2_at_every_stage(ranks4):
+    """A step with no zero_grad(): an update every call (the next call adds to the gradient an update used), the
+    same zeroed in place between calls, accumulation over two calls, set to None between calls; stages 0-3 against
+    FSDP2 with the same tensor-parallel plan. From stage 1 on the step keeps the gradient's shard, and .grad of a
+    tensor-parallel parameter holds a DTensor marker that refuses to be read."""
+    refusals = ranks4.run(cases.kept_gradients_match_fsdp2, timeout=600)[0]
+    assert refusals[0] is None  # stage 0 leaves the gradient itself in .grad
+    for stage in (1, 2, 3):
+        assert "the .grad of parameter 'blocks.0.attn.q.weight' is read between calls (norm)" in refusals[stage]

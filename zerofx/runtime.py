@@ -273,8 +273,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
         _refuse_params_read_after_update(captured_sg)
         _refuse_grads_not_kept(captured, state)
     if ctx.stage >= 1 or mixed is not None:
-        ctx.grads_kept, released = _grads_kept_for_next_call(captured, captured_sg, binding, args, specs, mixed,
-                                                             added_to)
+        ctx.grads_kept, released = _grads_kept_for_next_call(captured, captured_sg, binding, args, mixed, added_to)
         keep_grad_outputs(captured.gm.graph, ctx.grads_kept)  # the others live inside the step
         captured.gm.recompile()
     snapshots = {"capture": GraphSnapshot.of(captured.gm)} if keep_graphs else {}
@@ -401,12 +400,12 @@ def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -
 
 
 def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple,
-                              specs: DTensorSpecs | None, mixed: MixedPrecision | None,
+                              mixed: MixedPrecision | None,
                               added_to: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
     """From stage 1 on, or under mixed precision, the gradients the step keeps for its next call
-    (`_left_for_next_call`): this rank's shard of each from stage 1 on, the fp32 master's gradient under mixed
-    precision. Those an update used are kept where the step adds to incoming gradients (``added_to``), but not for
-    tensor-parallel parameters (README: limits). Also returns those an update used that are released because the
+    (`_left_for_next_call`): this rank's shard of each from stage 1 on (of a tensor-parallel parameter, of its
+    local tensor), the fp32 master's gradient under mixed precision. Those an update used are kept where the step
+    adds to incoming gradients (``added_to``). Also returns those an update used that are released because the
     step was not seen adding to them."""
     unused, stepped_with = _left_for_next_call(captured, sg, binding, args)
     scaled = mixed is not None and mixed.scaling is not None
@@ -419,17 +418,7 @@ def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: St
             "the scale is updated once per call, where GradScaler's users update it once per optimizer step",
             hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
                  "optimizer.step()), or use bfloat16")
-
-    def split(fqn: str) -> bool:
-        return specs is not None and specs.of(Slot(Role.GRAD_OUT, fqn)) is not None
-
-    if any(split(f) for f in unused):
-        raise CaptureError(
-            f"the train step leaves the gradient of tensor-parallel parameter '{next(f for f in unused if split(f))}' "
-            "for its next call; gradients kept between calls are supported for parameters that are not DTensors",
-            hint="accumulate inside one step (a loop over micro-batches, each calling backward(), then "
-                 "optimizer.step())")
-    kept = frozenset(f for f in stepped_with if f in added_to and not split(f))
+    kept = frozenset(f for f in stepped_with if f in added_to)
     return frozenset(unused) | kept, frozenset(f for f in stepped_with if f not in added_to)
 
 
@@ -478,7 +467,8 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
     optimizers = binding.optimizers(args)
     kept_grads = {}
     for slot, value in zip(compiled.output_slots, outputs):
-        spec = specs.of(slot) if specs else None
+        kept_shard = slot.role == Role.GRAD_OUT and keeps_grads  # flat, of a DTensor's local tensor
+        spec = specs.of(slot) if specs and not kept_shard else None
         value = value if spec is None else wrap(value, spec)
         if slot.role == Role.USER_OUTPUT:
             user_leaves[int(slot.key)] = value

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from zerofx.binding import StepBinding
 from zerofx.errors import CaptureError, user_frame
@@ -227,7 +228,10 @@ class KeptGradMarker(torch.Tensor):
 
     @classmethod
     def of(cls, param: torch.Tensor, fqn: str) -> "KeptGradMarker":
-        marker = torch.empty(0, dtype=param.dtype, device=param.device).as_subclass(cls)
+        empty = torch.empty(0, dtype=param.dtype, device=param.device)
+        # a DTensor parameter takes only a DTensor of its spec as .grad: one over the empty tensor
+        marker = (_KeptDTensorGradMarker(empty, param._spec, requires_grad=False) if isinstance(param, DTensor)
+                  else empty.as_subclass(cls))
         marker.__dict__["fqn"] = fqn
         return marker
 
@@ -255,6 +259,11 @@ class KeptGradMarker(torch.Tensor):
                 hint="read or clip gradients inside the step, after backward(); zero_grad() between calls is fine")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+
+
+class _KeptDTensorGradMarker(KeptGradMarker, DTensor):
+    """`KeptGradMarker` for a tensor-parallel parameter: what the caller does to it is recorded before DTensor runs
+    it on the local tensor."""
 
 
 def refuse_taken(binding: StepBinding) -> None:
