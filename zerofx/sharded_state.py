@@ -46,7 +46,7 @@ class ShardedState:
     # stages 1-3: this rank's reduced shard of each gradient the last call left for the next to add to (an update
     # every k-th call); the parameter's ``.grad`` meanwhile holds an empty marker (`keep_grads`)
     kept_grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    _markers: dict[str, weakref.ref] = field(default_factory=dict)  # to each kept shard's KeptGradMarker
+    _markers: dict[str, weakref.ref] = field(default_factory=dict)  # to the empty tensor of each kept shard's marker
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
@@ -154,8 +154,10 @@ class ShardedState:
         self.kept_grads, self._markers = grads, {}
         for fqn in grads:
             p = binding.params[fqn]
-            p.grad = marker = KeptGradMarker.of(p, fqn)
-            self._markers[fqn] = weakref.ref(marker, functools.partial(self._drop_kept, fqn))
+            p.grad = KeptGradMarker.of(p, fqn)
+            # the empty tensor itself (a DTensor marker's local tensor): model.to() swaps a DTensor gradient with its
+            # conversion, which refuses tensors weakly referenced
+            self._markers[fqn] = weakref.ref(local(p.grad), functools.partial(self._drop_kept, fqn))
 
     def _drop_kept(self, fqn: str, marker: weakref.ref) -> None:
         if self._markers.get(fqn) is marker:
@@ -172,14 +174,15 @@ class ShardedState:
                 "live with the step, and it accumulates only into those it kept from its last call",
                 source=user_frame(), hint="call optimizer.zero_grad() before the step, or use stage 0")
         for fqn in list(self.kept_grads):
-            grad, marker = binding.params[fqn].grad, self._markers[fqn]()
+            grad, held = binding.params[fqn].grad, self._markers[fqn]()
             if grad is None or fqn not in read:
                 del self.kept_grads[fqn], self._markers[fqn]  # first: the marker's going then finds nothing to drop
                 binding.params[fqn].grad = None
                 continue
-            writes = marker.writes
-            if grad is not marker or any(op not in KeptGradMarker.ZEROING for op in writes):
-                what = "replaced" if grad is not marker else f"written in place ({writes[0]})"
+            replaced = local(grad) is not held or not isinstance(grad, KeptGradMarker)
+            writes = [] if replaced else grad.writes
+            if replaced or any(op not in KeptGradMarker.ZEROING for op in writes):
+                what = "replaced" if replaced else f"written in place ({writes[0]})"
                 raise CaptureError(
                     f"the .grad of parameter '{fqn}' was {what} between calls; from stage {self.stage} on the step "
                     "keeps this rank's shard of the gradient it left there, and .grad holds only an empty marker",
@@ -245,25 +248,58 @@ class KeptGradMarker(torch.Tensor):
         markers = [t for arg in args for t in (arg if isinstance(arg, (list, tuple)) else (arg,))
                    if isinstance(t, KeptGradMarker)]
         setting_data = name == "__set__" and getattr(func, "__self__", None) is torch.Tensor.data
+        written = []
         if (name.endswith("_") and not name.startswith("__")) or name in cls._IN_PLACE or setting_data:
             empty = setting_data and args[1].numel() == 0  # model.to() converting the marker itself
             if name not in cls._METADATA and not empty:
-                for marker in markers[:1] if name in cls._IN_PLACE or setting_data else markers:
-                    marker.writes.append(".data =" if setting_data else name)
+                written = markers[:1] if name in cls._IN_PLACE or setting_data else markers
         elif getattr(func, "__self__", None) is torch.Tensor.data or name not in cls._DESCRIBING:
-            fqn = markers[0].__dict__.get("fqn", "?") if markers else "?"
-            raise CaptureError(
-                f"the .grad of parameter '{fqn}' is read between calls ({name if name != '__get__' else '.data'}); "
-                "from stage 1 on the step keeps this rank's shard of the gradient it left, and .grad holds only an "
-                "empty marker", source=user_frame(),
-                hint="read or clip gradients inside the step, after backward(); zero_grad() between calls is fine")
+            _refuse_read(markers[0] if markers else None, name if name != "__get__" else ".data")
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+            result = func(*args, **(kwargs or {}))
+        for marker in written:  # once it ran: a write torch refused leaves the kept shard as it was
+            marker.writes.append(".data =" if setting_data else name)
+        return result
 
 
 class _KeptDTensorGradMarker(KeptGradMarker, DTensor):
-    """`KeptGradMarker` for a tensor-parallel parameter: what the caller does to it is recorded before DTensor runs
-    it on the local tensor."""
+    """`KeptGradMarker` for a tensor-parallel parameter, a DTensor of its spec over an empty local tensor: torch
+    functions reach it as they reach the plain marker. DTensor's own Python methods reach the local tensor without
+    one; those that read it refuse here. ``model.to()`` swaps a DTensor gradient with its conversion
+    (`torch.utils.swap_tensors`): converted to its own dtype and device the marker is itself, to another refused."""
+
+    _CONVERTING = ("to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name not in cls._CONVERTING or not isinstance(result, torch.Tensor):
+            return result
+        marker = args[0]
+        if (result.dtype, result.device) != (marker.dtype, marker.device):
+            _refuse_read(marker, f"{name}: {result.dtype} on {result.device}", done="converted")
+        return marker
+
+    def to_local(self, *args, **kwargs):
+        _refuse_read(self, "to_local")
+
+    def full_tensor(self, *args, **kwargs):
+        _refuse_read(self, "full_tensor")
+
+    def redistribute(self, *args, **kwargs):
+        _refuse_read(self, "redistribute")
+
+    def __repr__(self):
+        return f"KeptGradMarker(of '{self.__dict__.get('fqn', '?')}', a DTensor over {self.placements})"
+
+
+def _refuse_read(marker: KeptGradMarker | None, what: str, done: str = "read"):
+    fqn = marker.__dict__.get("fqn", "?") if marker is not None else "?"
+    raise CaptureError(
+        f"the .grad of parameter '{fqn}' is {done} between calls ({what}); from stage 1 on the step keeps this "
+        "rank's shard of the gradient it left, and .grad holds only an empty marker", source=user_frame(),
+        hint="read or clip gradients inside the step, after backward(); zero_grad() between calls is fine")
 
 
 def refuse_taken(binding: StepBinding) -> None:
