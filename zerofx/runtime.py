@@ -467,12 +467,12 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
     optimizers = binding.optimizers(args)
     kept_grads = {}
     for slot, value in zip(compiled.output_slots, outputs):
-        kept_shard = slot.role == Role.GRAD_OUT and keeps_grads  # flat, of a DTensor's local tensor
+        kept_shard = slot.role == Role.GRAD_OUT and keeps_grads  # this rank's flat shard, never a DTensor
         spec = specs.of(slot) if specs and not kept_shard else None
         value = value if spec is None else wrap(value, spec)
         if slot.role == Role.USER_OUTPUT:
             user_leaves[int(slot.key)] = value
-        elif slot.role == Role.GRAD_OUT and keeps_grads:
+        elif kept_shard:
             kept_grads[slot.fqn] = value
         elif slot.role == Role.GRAD_OUT:
             binding.params[slot.fqn].grad = value

@@ -254,7 +254,7 @@ class KeptGradMarker(torch.Tensor):
             if name not in cls._METADATA and not empty:
                 written = markers[:1] if name in cls._IN_PLACE or setting_data else markers
         elif getattr(func, "__self__", None) is torch.Tensor.data or name not in cls._DESCRIBING:
-            _refuse_read(markers[0] if markers else None, name if name != "__get__" else ".data")
+            _refuse_between_calls(markers[0] if markers else None, name if name != "__get__" else ".data")
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **(kwargs or {}))
         for marker in written:  # once it ran: a write torch refused leaves the kept shard as it was
@@ -278,23 +278,24 @@ class _KeptDTensorGradMarker(KeptGradMarker, DTensor):
             return result
         marker = args[0]
         if (result.dtype, result.device) != (marker.dtype, marker.device):
-            _refuse_read(marker, f"{name}: {result.dtype} on {result.device}", done="converted")
+            _refuse_between_calls(marker, f"{name}: {result.dtype} on {result.device}", done="converted")
         return marker
 
     def to_local(self, *args, **kwargs):
-        _refuse_read(self, "to_local")
+        _refuse_between_calls(self, "to_local")
 
     def full_tensor(self, *args, **kwargs):
-        _refuse_read(self, "full_tensor")
+        _refuse_between_calls(self, "full_tensor")
 
     def redistribute(self, *args, **kwargs):
-        _refuse_read(self, "redistribute")
+        _refuse_between_calls(self, "redistribute")
 
     def __repr__(self):
         return f"KeptGradMarker(of '{self.__dict__.get('fqn', '?')}', a DTensor over {self.placements})"
 
 
-def _refuse_read(marker: KeptGradMarker | None, what: str, done: str = "read"):
+def _refuse_between_calls(marker: KeptGradMarker | None, what: str, done: str = "read"):
+    """Refuse what the caller did to a kept gradient's marker (``done``: read, converted), naming the parameter."""
     fqn = marker.__dict__.get("fqn", "?") if marker is not None else "?"
     raise CaptureError(
         f"the .grad of parameter '{fqn}' is {done} between calls ({what}); from stage 1 on the step keeps this "
