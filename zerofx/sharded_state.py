@@ -223,10 +223,10 @@ class KeptGradMarker(torch.Tensor):
     _METADATA = ("requires_grad_", "detach_")  # what zero_grad() also calls: no values change
     # what the marker is, not its values (the properties but .data: ``__get__``), and what ``model.to()`` does to a
     # gradient (converts it, then sets the result as its .data)
+    _CONVERTING = ("to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type")
     _DESCRIBING = ("__get__", "__repr__", "__format__", "__len__", "numel", "nelement", "size", "dim", "ndimension",
                    "stride", "element_size", "is_contiguous", "storage_offset", "is_floating_point", "is_complex",
-                   "to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type",
-                   "_has_compatible_shallow_copy_type")
+                   *_CONVERTING, "_has_compatible_shallow_copy_type")
     _IN_PLACE = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
 
     @classmethod
@@ -267,8 +267,6 @@ class _KeptDTensorGradMarker(KeptGradMarker, DTensor):
     functions reach it as they reach the plain marker. DTensor's own Python methods reach the local tensor without
     one; those that read it refuse here. ``model.to()`` swaps a DTensor gradient with its conversion
     (`torch.utils.swap_tensors`): converted to its own dtype and device the marker is itself, to another refused."""
-
-    _CONVERTING = ("to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
