@@ -8,7 +8,7 @@ import torch.fx as fx
 from zerofx import collectives
 from zerofx.passes.flat_collectives import split_into_views
 from zerofx.passes.context import PassContext
-from zerofx.passes.graph_edit import add_call
+from zerofx.passes.graph_edit import add_call, flattened
 from zerofx.step_graph import Role, StepGraph
 
 aten = torch.ops.aten
@@ -28,7 +28,7 @@ def broadcast_buffers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for same_dtype in by_dtype.values():
         like = same_dtype[0]
         with graph.inserting_before(first_op):
-            views = [add_call(graph, aten.view.default, (b, [-1]), like=like) for b in same_dtype]
+            views = [flattened(graph, b, like=like) for b in same_dtype]
             flat = add_call(graph, aten.cat.default, (views,), like=like)
             sent = add_call(graph, collectives.broadcast, (flat, 0, ctx.group_name, ctx.world_size), like=like,
                             val=flat.meta["val"])

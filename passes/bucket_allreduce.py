@@ -9,7 +9,7 @@ from zerofx import collectives
 from zerofx.passes.bucketing import plan_buckets
 from zerofx.passes.context import PassContext
 from zerofx.passes.flat_collectives import cast, categorize, split_into_views
-from zerofx.passes.graph_edit import add_call, first_user_after
+from zerofx.passes.graph_edit import add_call, first_user_after, flattened
 from zerofx.step_graph import Role, StepGraph
 
 aten = torch.ops.aten
@@ -38,7 +38,7 @@ def bucket_allreduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         last = max(nodes, key=sg.order.__getitem__)
         reader = first_user_after(nodes, last, sg.order)
         with graph.inserting_before(last.next):  # nodes land in the order they are added
-            flat_views = [cast(graph, add_call(graph, aten.view.default, (g, [-1]), like=last), bucket.dtype, last)
+            flat_views = [cast(graph, flattened(graph, g, like=last), bucket.dtype, last)
                           for g in nodes]
             flat = add_call(graph, aten.cat.default, (flat_views,), like=last)
             reduced = categorize(add_call(graph, collectives.all_reduce,

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from zerofx import collectives
 from zerofx.passes.context import PassContext
-from zerofx.passes.graph_edit import add_call, fake_mode_of
+from zerofx.passes.graph_edit import add_call, fake_mode_of, flattened
 from zerofx.sharding import ParamLayout
 from zerofx.step_graph import Phase
 
@@ -73,7 +73,7 @@ def pack_rank_major(graph: fx.Graph, fulls: list[fx.Node], layouts: list[ParamLa
     """A new [N * S] flat buffer, rank-major, from full-shaped tensors (gradients) padded per parameter."""
     rows = []
     for full, layout in zip(fulls, layouts):
-        flat = add_call(graph, aten.view.default, (full, [-1]), like=like, phase=phase)
+        flat = flattened(graph, full, like=like, phase=phase)
         if layout.padded_numel > layout.numel:
             flat = add_call(graph, aten.constant_pad_nd.default, (flat, [0, layout.padded_numel - layout.numel]),
                             like=like, phase=phase)

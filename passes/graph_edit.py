@@ -45,6 +45,15 @@ def add_call(graph: fx.Graph, target: Callable, args: tuple, *, like: fx.Node, p
     return node
 
 
+def flattened(graph: fx.Graph, node: fx.Node, *, like: fx.Node, phase: Phase | None = None) -> fx.Node:
+    """``node``'s elements in row-major order as one dimension: a view where it is contiguous, else a contiguous
+    copy's (a channels-last weight or its gradient, a transposed parameter), the order the flat shards keep."""
+    if not node.meta["val"].is_contiguous():
+        node = add_call(graph, torch.ops.aten.clone.default, (node,), like=like, phase=phase,
+                        kwargs={"memory_format": torch.contiguous_format})
+    return add_call(graph, torch.ops.aten.view.default, (node, [-1]), like=like, phase=phase)
+
+
 def keep_grad_outputs(graph: fx.Graph, kept: frozenset[str]) -> None:
     """Drop the graph's gradient outputs (``.grad`` left to the caller) but those of the parameters ``kept``."""
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
