@@ -232,6 +232,16 @@ def test_optimizer_parameter_outside_the_module_raises_capture_error():
         zerofx.compile(train_step)(model, opt, *token_batch(0, 0))
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_hook_on_a_parameter_tensor_is_refused_by_name(stage, hook):
+    """The trace computes with stand-ins for the parameters: a hook on the parameter itself would never run."""
+    model, opt = gpt_and_adamw()
+    getattr(model.wpe.weight, hook)(lambda t: None)
+    with pytest.raises(zerofx.CaptureError, match=f"parameter 'wpe.weight' has a hook .*Tensor.{hook}"):
+        zerofx.compile(train_step, stage=stage)(model, opt, *token_batch(0, 0))
+
+
 def test_missing_module_or_optimizer_is_named():
     model, opt = gpt_and_adamw()
     with pytest.raises(zerofx.CaptureError, match="no torch.optim.Optimizer"):
