@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import cases_loops
 import zerofx
-from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
+from models import bn_and_sgd, bn_batch, gpt_and_adamw, mlp_and_adamw, token_batch, train_step
 from zerofx import runtime
 from zerofx.binding import StepBinding
 from zerofx.capture import capture
@@ -240,6 +240,39 @@ def test_a_hook_on_a_parameter_tensor_is_refused_by_name(stage, hook):
     getattr(model.wpe.weight, hook)(lambda t: None)
     with pytest.raises(zerofx.CaptureError, match=f"parameter 'wpe.weight' has a hook .*Tensor.{hook}"):
         zerofx.compile(train_step, stage=stage)(model, opt, *token_batch(0, 0))
+
+
+def _scaled_regression_step(model, optimizer, x, y, scale=1.0, square=False):
+    optimizer.zero_grad()
+    error = model(x) - y
+    loss = (error * error if square else error.abs()).mean() * scale
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_keyword_arguments_go_where_the_train_steps_signature_puts_them(stage):
+    """Batch by keyword, and a keyword after a default left out, train as the positional call does."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
+    by_position, by_keyword = zerofx.compile(_scaled_regression_step, stage=stage), \
+        zerofx.compile(_scaled_regression_step, stage=stage)
+    (model, opt), (model_k, opt_k) = mlp_and_adamw(), mlp_and_adamw()
+    for x, y in batches:
+        assert by_keyword(model_k, opt_k, y=y, x=x, square=True).item() == \
+            by_position(model, opt, x, y, 1.0, True).item()
+    trained, trained_k = zerofx.full_state_dict(by_position)["model"], zerofx.full_state_dict(by_keyword)["model"]
+    assert trained.keys() == trained_k.keys() and all(torch.equal(trained[k], trained_k[k]) for k in trained)
+
+
+def test_a_keyword_only_argument_of_the_train_step_is_refused_by_name():
+    def step(model, optimizer, x, *, y):
+        return _scaled_regression_step(model, optimizer, x, y)
+
+    model, opt = mlp_and_adamw()
+    with pytest.raises(TypeError, match=r"takes \['y'\] by keyword only"):
+        zerofx.compile(step)(model, opt, torch.randn(4, 8), y=torch.randn(4, 1))
 
 
 def test_missing_module_or_optimizer_is_named():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from collections import OrderedDict
@@ -174,19 +175,32 @@ class CompiledStep:
             log.warning("zerofx: partition_activations (P_a) splits checkpoints across a tensor-parallel group; "
                         "without a mesh with a 'tp' dimension larger than 1 it changes nothing")
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        args = self._positional(args, kwargs)
         with collectives.recording() as records:
             out = self._step(args)
         self._last_records = records
         return out
 
-    def bind(self, *args) -> "CompiledStep":
+    def bind(self, *args, **kwargs) -> "CompiledStep":
         """Bind the step to its model, optimizer and an example batch, called as the step is, without training:
         capture the graph and take the sharded state, so that ``zerofx.state_dict(self)`` is the target
         ``torch.distributed.checkpoint.load`` fills before the first step. Every rank calls it."""
-        self._prepare(args, carried=False)
+        self._prepare(self._positional(args, kwargs), carried=False)
         collectives.settle_pending()  # nothing runs: the rank agreement is awaited here
         return self
+
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        """The call's arguments by position: a keyword argument goes where the train step's signature puts it (the
+        step finds models, optimizers and the batch by position)."""
+        if not kwargs:
+            return args
+        bound = inspect.signature(self.train_step).bind(*args, **kwargs)
+        bound.apply_defaults()  # a keyword argument after a default left out
+        if bound.kwargs:
+            raise TypeError(f"the train step takes {sorted(bound.kwargs)} by keyword only: zerofx passes the "
+                            "step's arguments by position; make them positional parameters")
+        return bound.args
 
     def state_dict(self) -> dict:
         """This rank's shards in place (``zerofx.state_dict``); with ``load_state_dict`` the step is a DCP
