@@ -275,6 +275,45 @@ def test_a_keyword_only_argument_of_the_train_step_is_refused_by_name():
         zerofx.compile(step)(model, opt, torch.randn(4, 8), y=torch.randn(4, 1))
 
 
+def _update_with_gradients_set_by_hand(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = (model(x) - y).pow(2).mean()
+    params = list(model.parameters())
+    for p, g in zip(params, torch.autograd.grad(loss, params)):
+        p.grad = g
+    optimizer.step()
+    return loss
+
+
+def _gradient_penalty_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    x = x.detach().requires_grad_()
+    loss = (model(x) - y).pow(2).mean()
+    (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
+    (loss + grad_x.pow(2).sum()).backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_update_with_gradients_set_by_hand_is_refused_and_a_gradient_penalty_trains_as_eager(stage):
+    """torch.autograd.grad's results put in .grad by hand would never be reduced across ranks; a penalty computed
+    with torch.autograd.grad inside the loss is backward's like any other term."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
+    model, opt = mlp_and_adamw()
+    with pytest.raises(zerofx.CaptureError, match="a gradient of parameter '0.weight' that no backward"):
+        zerofx.compile(_update_with_gradients_set_by_hand, stage=stage)(model, opt, *batches[0])
+    (model, opt), (ref, ref_opt) = mlp_and_adamw(), mlp_and_adamw()
+    step = zerofx.compile(_gradient_penalty_step, stage=stage)
+    for x, y in batches:
+        torch.testing.assert_close(step(model, opt, x, y), _gradient_penalty_step(ref, ref_opt, x, y), rtol=1e-6,
+                                   atol=0)
+    trained = zerofx.full_state_dict(step)["model"]
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_missing_module_or_optimizer_is_named():
     model, opt = gpt_and_adamw()
     with pytest.raises(zerofx.CaptureError, match="no torch.optim.Optimizer"):

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from zerofx import collectives, guards, optim_support, ranks, runtime
 from zerofx.mesh import DTensorSpecs, mesh_ranks
-from zerofx.binding import StepBinding
+from zerofx.binding import StepBinding, refuse_tensor_hooks
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision
@@ -318,6 +318,7 @@ class CompiledStep:
             self._binding, self._binding_ids = StepBinding.from_args(args), ids
             refuse_taken(self._binding)
             _refuse_prepared(self._binding.modules(args))
+            refuse_tensor_hooks(self._binding)
             if self.config.stage >= 1:
                 _refuse_complex_shards(self._binding)
             if first and self._dp.size > 1:

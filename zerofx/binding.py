@@ -66,20 +66,7 @@ class StepBinding:
             _collect(args[pos].named_buffers(remove_duplicate=False), prefix, buffers, buffer_aliases)
         binding = cls(module_positions, optimizer_positions, params, param_aliases, buffers, buffer_aliases)
         binding._check_optimizers(args)
-        binding._refuse_tensor_hooks()
         return binding
-
-    def _refuse_tensor_hooks(self) -> None:
-        """A hook on a parameter tensor runs on the tensor itself, which the trace replaces by a stand-in: the step
-        would train without it."""
-        for fqn, p in self.params.items():
-            kind = ("register_hook" if p._backward_hooks else
-                    "register_post_accumulate_grad_hook" if p._post_accumulate_grad_hooks else None)
-            if kind is not None:
-                raise CaptureError(
-                    f"parameter {fqn!r} has a hook registered with Tensor.{kind}: the traced step would not run it",
-                    hint="do what the hook does in the train step, between backward() and the update "
-                         "(p.grad.mul_(10), say), and remove the hook")
 
     def _check_optimizers(self, args: tuple) -> None:
         known = {id(p) for p in self.params.values()}
@@ -126,6 +113,19 @@ class StepBinding:
     def batch(self, args: tuple) -> list:
         taken = set(self.module_positions) | set(self.optimizer_positions)
         return [a for i, a in enumerate(args) if i not in taken]
+
+
+def refuse_tensor_hooks(binding: StepBinding) -> None:
+    """A hook on a parameter tensor runs on the tensor itself, which the trace replaces by a stand-in: the step
+    would train without it."""
+    for fqn, p in binding.params.items():
+        kind = ("register_hook" if p._backward_hooks else
+                "register_post_accumulate_grad_hook" if p._post_accumulate_grad_hooks else None)
+        if kind is not None:
+            raise CaptureError(
+                f"parameter {fqn!r} has a hook registered with Tensor.{kind}: the traced step would not run it",
+                hint="do what the hook does in the train step, between backward() and the update "
+                     "(p.grad.mul_(10), say), and remove the hook")
 
 
 def _collect(named, prefix, canonical: dict, aliases: dict) -> None:

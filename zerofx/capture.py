@@ -113,10 +113,11 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
         local_fakes = {i: local(f) for i, f in fakes.items()}
         optimizer_targets = {fqn: local(p) for fqn, p in {**fake_params, **fake_masters}.items()}
         standins_in = {}  # fqn: (the tensor whose .grad holds a stand-in, the stand-in, its input node)
+        incoming_grads = {}
         for i, s in enumerate(slots):
             if s.role == Role.GRAD_IN:  # under mixed precision, the fp32 master's gradient
                 holder = (fake_masters if mixed is not None else fake_params)[s.fqn]
-                holder.grad = fakes[i]
+                holder.grad = incoming_grads[s.fqn] = fakes[i]
                 if s.fqn in standins:
                     standins_in[s.fqn] = holder, fakes[i], traced_node(fakes[i])
         batch_fakes = iter(fakes[i] for i, s in enumerate(slots) if s.role == Role.BATCH)
@@ -149,6 +150,10 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                     holder.grad = None
                     added_to_at_backward.add(fqn)
 
+        def incoming(fqn: str, grad: torch.Tensor) -> bool:
+            """An earlier call's gradient, or a stand-in for one (written in place, perhaps), still in .grad."""
+            return fqn in incoming_grads and (fqn not in standins or grad is incoming_grads[fqn])
+
         def optimizer_end(opt):
             if mixed_trace is not None:
                 mixed_trace.after_optimizer_step(opt)
@@ -169,7 +174,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             for oi, opt in enumerate(optimizers):
                 stack.enter_context(swap_optimizer(opt, oi, binding, slots, local_fakes,
                                                    {**fake_params, **fake_masters}, optimizer_targets))
-                stack.enter_context(at_update_start(opt, lambda: on_optimizer_start(recorder, fake_params)))
+                stack.enter_context(at_update_start(opt, lambda: on_optimizer_start(recorder, fake_params, incoming)))
                 stack.enter_context(hook(opt.register_step_post_hook(lambda o, *_: optimizer_end(o))))
             stack.enter_context(track_backward(recorder, fake_params, mixed_trace, withdraw_standins))
             stack.enter_context(refuse_scheduler_steps())
