@@ -8,7 +8,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import cases_loops
 import zerofx
-from models import bn_and_sgd, bn_batch, gpt_and_adamw, mlp_and_adamw, token_batch, train_step
+from models import (bn_and_sgd, bn_batch, gpt_and_adamw, mlp_and_adamw, regression_step, token_batch,
+                    train_step)
 from zerofx import runtime
 from zerofx.binding import StepBinding
 from zerofx.capture import capture
@@ -312,6 +313,39 @@ def test_an_update_with_gradients_set_by_hand_is_refused_and_a_gradient_penalty_
     trained = zerofx.full_state_dict(step)["model"]
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _head_then_body(model, unfreeze: bool):
+    """AdamW over the head; the body joins it after the first call (frozen until then where ``unfreeze``)."""
+    body, head = model[0], model[2]
+    if unfreeze:
+        body.requires_grad_(False)
+    return torch.optim.AdamW(head.parameters(), lr=1e-2), lambda opt: (
+        body.requires_grad_(True), opt.add_param_group({"params": list(body.parameters()), "lr": 5e-3}))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_taken_parameter_joining_an_optimizer_is_refused_from_stage_1_and_an_unfrozen_one_trains(stage):
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
+    for unfreeze in (False, True):
+        (model, _), (ref, _) = mlp_and_adamw(), mlp_and_adamw()
+        (opt, join), (ref_opt, ref_join) = _head_then_body(model, unfreeze), _head_then_body(ref, unfreeze)
+        step = zerofx.compile(regression_step, stage=stage)
+        for i, (x, y) in enumerate(batches):
+            if i == 1:
+                join(opt), ref_join(ref_opt)
+            if i == 1 and stage > 0 and not unfreeze:
+                with pytest.raises(zerofx.CaptureError, match="parameter '0.bias' joined optimizer 0 .AdamW, "
+                                                              "add_param_group. after the step took it"):
+                    step(model, opt, x, y)
+                break
+            torch.testing.assert_close(step(model, opt, x, y), regression_step(ref, ref_opt, x, y), rtol=1e-6,
+                                       atol=0, msg=f"call {i}, unfrozen: {unfreeze}")
+        else:
+            trained = zerofx.full_state_dict(step)["model"]
+            for name, value in ref.state_dict().items():
+                torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_missing_module_or_optimizer_is_named():

@@ -21,7 +21,7 @@ from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext
-from zerofx.sharded_state import ShardedState, refuse_eager_forward, refuse_taken
+from zerofx.sharded_state import ShardedState, refuse_eager_forward, refuse_joining_an_optimizer, refuse_taken
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, measure
 from zerofx.units import UNIT_CAP_BYTES, UnitRule, check_rule, unit_of_params
@@ -222,6 +222,8 @@ class CompiledStep:
         binding = self._bind(args)
         taken = set(binding.module_positions) | set(binding.optimizer_positions)
         self._args = tuple(a if i in taken else None for i, a in enumerate(args))  # not the batch: it would live on
+        if self._owned is not None:
+            refuse_joining_an_optimizer(self._owned, binding, args)  # before its lazy state is made
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = self._dp.size, self._dp.rank, self._dp.group_name

@@ -47,6 +47,8 @@ class ShardedState:
     # every k-th call); the parameter's ``.grad`` meanwhile holds an empty marker (`keep_grads`)
     kept_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     _markers: dict[str, weakref.ref] = field(default_factory=dict)  # to the empty tensor of each kept shard's marker
+    # each optimizer's parameters (fqns) when the step took its own: one the optimizer takes on later is refused
+    optimizer_members: list[frozenset[str]] = field(default_factory=list)
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
@@ -65,6 +67,7 @@ class ShardedState:
         unfrozen later) with their optimizer state, and release the originals. True if it took any."""
         new = {fqn: layout for fqn, layout in layouts.items() if fqn not in self.layouts}
         self.layouts.update(new)
+        self.optimizer_members = _members(binding, args)
         mixed = self.mixed
         for fqn, layout in new.items():
             p = local(binding.params[fqn])
@@ -299,6 +302,32 @@ def _refuse_between_calls(marker: KeptGradMarker | None, what: str, done: str = 
         f"the .grad of parameter '{fqn}' is {done} between calls ({what}); from stage 1 on the step keeps this "
         "rank's shard of the gradient it left, and .grad holds only an empty marker", source=user_frame(),
         hint="read or clip gradients inside the step, after backward(); zero_grad() between calls is fine")
+
+
+def _members(binding: StepBinding, args: tuple) -> list[frozenset[str]]:
+    fqn_of = binding.fqn_of
+    return [frozenset(fqn_of[id(p)] for group in opt.param_groups for p in group["params"])
+            for opt in binding.optimizers(args)]
+
+
+def refuse_joining_an_optimizer(state: ShardedState, binding: StepBinding, args: tuple) -> None:
+    """From stage 1 on, refuse, naming it, a parameter the step took that an optimizer has taken on since
+    (``add_param_group``): the optimizer would make its state from the emptied original, and its values live in the
+    step's shards."""
+    optimizers = binding.optimizers(args)
+    if state.stage == 0 or [sum(len(g["params"]) for g in opt.param_groups) for opt in optimizers] == \
+            [len(members) for members in state.optimizer_members]:  # each call: count before naming
+        return
+    for oi, (members, now) in enumerate(zip(state.optimizer_members, _members(binding, args))):
+        joined = sorted((now - members) & state.layouts.keys())
+        if joined:
+            raise CaptureError(
+                f"parameter '{joined[0]}' joined optimizer {oi} ({type(optimizers[oi]).__name__}, "
+                "add_param_group) after the step took it: from stage 1 on its values live in the step's shards, "
+                "and the optimizer has no state for it",
+                hint="give the optimizer every parameter before the first call (a group with lr=0 holds some "
+                     "until their time), or freeze them with requires_grad_(False) until then: the step takes a "
+                     "parameter when it is unfrozen")
 
 
 def refuse_taken(binding: StepBinding) -> None:
