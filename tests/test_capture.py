@@ -348,6 +348,17 @@ def test_a_taken_parameter_joining_an_optimizer_is_refused_from_stage_1_and_an_u
                 torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_number_a_torch_nn_module_reads_from_a_tensor_is_named_with_the_modules_line(stage):
+    """BatchNorm with momentum=None divides by its batch count as a Python float: named as that, not as a branch."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16, momentum=None),
+                                torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(zerofx.CaptureError, match=r"a torch.nn module reads a number from a tensor into Python "
+                                                  r".*batchnorm.py:\d+: .*float\(self.num_batches_tracked\)"):
+        zerofx.compile(regression_step, stage=stage)(model, opt, torch.randn(4, 8), torch.randn(4, 1))
+
+
 def test_missing_module_or_optimizer_is_named():
     model, opt = gpt_and_adamw()
     with pytest.raises(zerofx.CaptureError, match="no torch.optim.Optimizer"):

@@ -208,6 +208,13 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                      "does (scale, unscale before your code reads gradients, skip a non-finite update on every rank, "
                      "grow or back off the scale) inside the graph; or autocast to bfloat16, which needs no scaler"
             ) from None
+        in_module = _number_read_in_torch_nn(e.__traceback__)
+        if in_module:
+            raise CaptureError(
+                f"a torch.nn module reads a number from a tensor into Python while the step traces ({in_module}): "
+                "the trace has a symbol there, not the number", source=source,
+                hint="configure the module so that it computes with tensors (BatchNorm with momentum=None divides "
+                     "by its batch count read as a number: give it a momentum)") from None
         if source and _NUMBER_READ.search(source):
             raise CaptureError(
                 "Python uses a number read from a tensor (.item(), float(), int()) while the step traces (a branch, "
@@ -245,6 +252,16 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
                         modes_after if modes_after != modes_before else None, frozenset(added_to_at_backward),
                         frozenset(handed_to_python))
+
+
+def _number_read_in_torch_nn(tb) -> str | None:
+    """Where the traceback ``tb`` passes through a torch.nn module's code that reads a number from a tensor (the
+    file from ``torch/nn`` on, the line and its code), or None."""
+    for frame in traceback.extract_tb(tb):
+        path = os.path.relpath(frame.filename, os.path.dirname(os.path.dirname(torch.__file__)))
+        if path.startswith(os.path.join("torch", "nn", "")) and _NUMBER_READ.search(frame.line or ""):
+            return f"{path}:{frame.lineno}: {frame.line.strip()}"
+    return None
 
 
 def _inside_grad_scaler(tb) -> bool:
