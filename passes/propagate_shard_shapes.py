@@ -60,7 +60,9 @@ def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                     "it would compute something else than on the full tensor",
                     source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
                     hint="read parameters after the step returns (zerofx.full_state_dict), or use stage 0"
-                    if after_update else "use SGD, Adam or AdamW, and clip_grad_norm_ for gradient norms; or stage 0",
+                    if after_update else "take norms over all the gradients with torch.nn.utils.clip_grad_norm_; a norm "
+                                         "of each parameter's (in your code, or an optimizer's, as LAMB takes) "
+                                         "needs stage 0",
                 )
         args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
         with fake_mode:
