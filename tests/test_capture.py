@@ -359,6 +359,32 @@ def test_a_number_a_torch_nn_module_reads_from_a_tensor_is_named_with_the_module
         zerofx.compile(regression_step, stage=stage)(model, opt, torch.randn(4, 8), torch.randn(4, 1))
 
 
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"),
+                                              (3, "bf16")])
+def test_a_batch_input_that_requires_grad_gets_its_grad_as_under_eager(stage, precision):
+    """Saliency, adversarial training: backward leaves the input's gradient in its .grad, added to the one the first
+    call left (fp32); in bf16 through the cast of the input to the compute dtype, against the model in bf16."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=g).requires_grad_(), torch.randn(4, 1, generator=g)
+    x_ref = x.detach().clone().requires_grad_()
+    (model, opt), (ref, ref_opt) = mlp_and_adamw(), mlp_and_adamw()
+    if precision == "fp32":
+        step = zerofx.compile(regression_step, stage=stage)
+        for call in range(2):
+            step(model, opt, x, y), regression_step(ref, ref_opt, x_ref, y)
+            torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=0, msg=f"call {call}")
+        x_plain = x.detach()  # a batch that requires no grad: a graph of its own, which leaves it none
+        step(model, opt, x_plain, y), regression_step(ref, ref_opt, x_plain, y)
+        assert x_plain.grad is None and step.stats().traces == 2
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=0)
+    else:
+        zerofx.compile(regression_step, stage=stage, mixed_precision=zerofx.MixedPrecision(torch.bfloat16))(
+            model, opt, x, y)
+        (ref.to(torch.bfloat16)(x_ref.to(torch.bfloat16)).float() - y).pow(2).mean().backward()
+        assert x.grad.dtype == torch.float32
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-2, atol=1e-4)
+
+
 def test_missing_module_or_optimizer_is_named():
     model, opt = gpt_and_adamw()
     with pytest.raises(zerofx.CaptureError, match="no torch.optim.Optimizer"):

@@ -337,6 +337,9 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
     for fqn, p in (fake_masters or fake_params).items():
         if p.grad is not None:
             emit(p.grad, Slot(Role.GRAD_OUT, fqn))
+    for i, s in enumerate(slots):
+        if s.role == Role.BATCH and fakes[i].grad is not None:  # a batch input that requires grad, as eager leaves
+            emit(fakes[i].grad, Slot(Role.BATCH_GRAD, key=s.key))
     input_fakes = {id(local(fakes[i])) for i in range(len(slots))}
     fqn_of_fake = {id(local(p)): fqn for fqn, p in {**fake_params, **fake_masters}.items()}
     for oi, opt in enumerate(optimizers):

@@ -109,7 +109,9 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
         state_part = f"optimizer{oi}_state"
         key[state_part] = owned_parts[state_part] if state_part in owned_parts else _state_part(opt, fqn_of)
     leaves, spec = pytree.tree_flatten(binding.batch(args))
-    key["batch"] = (str(spec),) + tuple(_tensor_meta(x) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
+    # requires_grad: backward leaves a gradient in such an input's .grad
+    key["batch"] = (str(spec),) + tuple((*_tensor_meta(x), x.requires_grad) if isinstance(x, torch.Tensor) else repr(x)
+                                        for x in leaves)
     if reads_incoming_grads:
         key["grads"] = tuple(present_grads(binding))
     return key

@@ -480,6 +480,9 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
             optimizers[slot.optimizer].state[binding.params[slot.fqn]][slot.key] = value
         elif slot.role == Role.NEW_BUFFER:
             _set_buffer(binding, args, slot.fqn, value)
+        elif slot.role == Role.BATCH_GRAD:  # added to one left there before, as backward adds
+            leaf = pytree.tree_leaves(binding.batch(args))[int(slot.key)]
+            leaf.grad = value if leaf.grad is None else leaf.grad + value
     for fqn, p in binding.trainable().items():
         if fqn not in compiled.left_grads:
             p.grad = None  # the step left no gradient (zero_grad at its end, or a sharded stage)

@@ -43,6 +43,7 @@ class Role(str, enum.Enum):
     # graph outputs
     USER_OUTPUT = "user_output"
     GRAD_OUT = "grad_out"  # the .grad left after the step
+    BATCH_GRAD = "batch_grad"  # the .grad backward leaves in a batch input that requires grad
     NEW_STATE = "new_state"  # optimizer state created or replaced by the step
     NEW_BUFFER = "new_buffer"  # a buffer the module re-assigned
 
