@@ -261,3 +261,35 @@ def test_a_gradient_kept_from_the_last_planned_step_is_not_overwritten_by_the_ne
     assert len(set(arenas)) == 1 and "Clone gradients" not in caplog.text
 
 
+
+
+def _backward_every_call_update_every_third(model, opt, x, y, update):
+    loss = model(x, y)
+    (loss / 3).backward()
+    if update:
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("memory_plan", [False, True])
+def test_a_gradient_the_caller_holds_through_an_accumulation_window_sums_it_as_under_eager(memory_plan):
+    """A gradient the first call of a window leaves in the arena, held by the caller (the tensor, a view of it): the
+    next call adds into it in place, where the caller sees the window's sum, as eager's backward adds; the arena is
+    left to it."""
+    sums = {}
+    for kind in ("eager", "zerofx"):
+        model, opt = gpt_and_adamw()
+        step = _backward_every_call_update_every_third if kind == "eager" else \
+            zerofx.compile(_backward_every_call_update_every_third, memory_plan=memory_plan)
+        for i in range(3):
+            step(model, opt, *token_batch(i, 0), i == 2)
+            if i == 0:
+                grad = model.blocks[0].mlp[0].weight.grad
+                view, first = grad[1:3], grad.clone()
+            if i == 1:
+                now = model.blocks[0].mlp[0].weight.grad
+                assert torch.equal(grad, now) and torch.equal(view, now[1:3]) and not torch.equal(now, first), kind
+                sums[kind] = now.clone()
+        del grad, view, now
+    torch.testing.assert_close(sums["zerofx"], sums["eager"], rtol=1e-6, atol=0)

@@ -66,13 +66,15 @@ class SharedArena:
         """Whether ``tensor`` views the arena's bytes."""
         return self._raw is not None and tensor.untyped_storage().data_ptr() == self._raw.untyped_storage().data_ptr()
 
-    def release_if_held_elsewhere(self) -> None:
-        """Before a run: bytes something but the arena and its slots still holds (last step's ``.grad`` kept by the
-        caller, a view of it, its storage object) are left to it, and the run takes new ones."""
+    def release_if_held_elsewhere(self, params_with_grads_in_it: list[torch.Tensor] = ()) -> None:
+        """Before a run: bytes something but the arena, its slots and the ``.grad`` of ``params_with_grads_in_it``
+        still holds (last step's ``.grad`` kept by the caller, a view of it, its storage object) are left to it, and
+        the run takes new ones."""
         if self._raw is None:
             return
         held = _storage_references(self._raw)  # first: a collection it may set off only lowers it (safe side)
-        if held <= 1 + sum(references for _, references in self._slots.values()):
+        expected = 1 + len(params_with_grads_in_it) + sum(references for _, references in self._slots.values())
+        if held <= expected and not any(_grad_held_by_caller(p) for p in params_with_grads_in_it):
             return
         if not self._warned:
             log.warning("zerofx: a gradient the last step left in its planned arena is still referenced; the "
@@ -105,6 +107,24 @@ def _storage_references(tensor: torch.Tensor) -> int:
 def _storage_counts(tensor: torch.Tensor) -> tuple[int, int]:
     storage = tensor.untyped_storage()  # the storage's one Python object
     return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
+def _grad_held_by_caller(param: torch.Tensor) -> bool:
+    """Whether anything but ``param`` holds its ``.grad`` tensor object (``g = p.grad`` in the caller's code)."""
+    return _grad_references(param) > _unheld_grad_references()
+
+
+def _grad_references(param: torch.Tensor) -> int:
+    grad = param.grad
+    return sys.getrefcount(grad)
+
+
+@functools.cache
+def _unheld_grad_references() -> int:
+    """The references `_grad_references` sees to a ``.grad`` its parameter alone holds."""
+    param = torch.nn.Parameter(torch.empty(1))
+    param.grad = torch.empty(1)
+    return _grad_references(param)
 
 
 @functools.cache
@@ -512,10 +532,15 @@ def _move_read_grads_out_of_arena(binding: StepBinding, compiled: CompiledGraph,
     arena = compiled.shared_arena
     kept = state.kept_grads if state is not None else {}
     for fqn in compiled.grads_read:
-        p = binding.params[fqn]
         if fqn in kept and arena.holds(kept[fqn]):
             kept[fqn] = kept[fqn].clone()
-        elif fqn not in kept and p.grad is not None and arena.holds(local(p.grad)):
+    in_arena = [p for fqn in compiled.grads_read if fqn not in kept
+                and (p := binding.params[fqn]).grad is not None and arena.holds(local(p.grad))]
+    # where the caller holds one (or a view), the arena is left to them and the run adds into them in place, as
+    # eager's backward does where the caller sees it
+    arena.release_if_held_elsewhere(in_arena)
+    for p in in_arena:
+        if arena.holds(local(p.grad)):
             p.grad = p.grad.clone()
 
 
