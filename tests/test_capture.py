@@ -263,6 +263,12 @@ def test_keyword_arguments_go_where_the_train_steps_signature_puts_them(stage):
     for x, y in batches:
         assert by_keyword(model_k, opt_k, y=y, x=x, square=True).item() == \
             by_position(model, opt, x, y, 1.0, True).item()
+    # a partial binds keywords, which its signature shows as keyword-only parameters with defaults
+    bound = zerofx.compile(functools.partial(_scaled_regression_step, square=True), stage=stage)
+    plain = zerofx.compile(_scaled_regression_step, stage=stage)
+    (model_p, opt_p), (model_b, opt_b) = mlp_and_adamw(), mlp_and_adamw()
+    x, y = batches[0]
+    assert bound(model_p, opt_p, x, y=y).item() == plain(model_b, opt_b, x, y, 1.0, True).item()
     trained, trained_k = zerofx.full_state_dict(by_position)["model"], zerofx.full_state_dict(by_keyword)["model"]
     assert trained.keys() == trained_k.keys() and all(torch.equal(trained[k], trained_k[k]) for k in trained)
 
@@ -296,15 +302,49 @@ def _gradient_penalty_step(model, optimizer, x, y):
     return loss
 
 
+def _zeros_where_backward_did_not_reach(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = (model[2](model[1](model[0](x))) - y).pow(2).mean()  # the body only: the head gets no gradient
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # so that weight decay still reaches them
+    optimizer.step()
+    return loss
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_an_update_with_gradients_set_by_hand_is_refused_and_a_gradient_penalty_trains_as_eager(stage):
-    """torch.autograd.grad's results put in .grad by hand would never be reduced across ranks; a penalty computed
-    with torch.autograd.grad inside the loss is backward's like any other term."""
+@pytest.mark.parametrize("step_fn", [_update_with_gradients_set_by_hand, _zeros_where_backward_did_not_reach])
+def test_gradients_set_by_hand_update_as_set_at_stage_0_and_are_refused_from_stage_1(stage, step_fn):
+    """Stage 0 updates with them as they are set, on each rank, as DDP does (it reduces what backward leaves);
+    from stage 1 on there is no shard of them to update with."""
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
-    model, opt = mlp_and_adamw()
-    with pytest.raises(zerofx.CaptureError, match="a gradient of parameter '0.weight' that no backward"):
-        zerofx.compile(_update_with_gradients_set_by_hand, stage=stage)(model, opt, *batches[0])
+    (model, opt), (ref, ref_opt) = mlp_and_adamw(), mlp_and_adamw()
+    if step_fn is _zeros_where_backward_did_not_reach:
+        for m, o in ((model, opt), (ref, ref_opt)):
+            torch.manual_seed(1)
+            m.append(torch.nn.Linear(1, 1))
+            o.add_param_group({"params": list(m[3].parameters()), "weight_decay": 0.5})
+    head = model[-1].weight.detach().clone()
+    step = zerofx.compile(step_fn, stage=stage)
+    if stage > 0:
+        with pytest.raises(zerofx.CaptureError, match=r"a gradient of parameter '[0-9.a-z]+' that no backward\(\) "
+                                                      r"left \(set by hand(.|\n)*at .*optimizer.step\(\)"):
+            step(model, opt, *batches[0])
+        return
+    for x, y in batches:
+        torch.testing.assert_close(step(model, opt, x, y), step_fn(ref, ref_opt, x, y), rtol=1e-6, atol=0)
+    for (name, value), trained in zip(ref.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(trained, value, rtol=1e-5, atol=1e-7, msg=name)
+    assert not torch.equal(model[-1].weight, head)  # the head no backward reached is decayed, as in eager
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_gradient_penalty_from_autograd_grad_trains_as_eager(stage):
+    """A penalty computed with torch.autograd.grad inside the loss is backward's like any other term."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
     (model, opt), (ref, ref_opt) = mlp_and_adamw(), mlp_and_adamw()
     step = zerofx.compile(_gradient_penalty_step, stage=stage)
     for x, y in batches:
@@ -359,6 +399,12 @@ def test_a_number_a_torch_nn_module_reads_from_a_tensor_is_named_with_the_module
         zerofx.compile(regression_step, stage=stage)(model, opt, torch.randn(4, 8), torch.randn(4, 1))
 
 
+def _autoencoder():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.Tanh(), torch.nn.Linear(3, 8))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 @pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"),
                                               (3, "bf16")])
 def test_a_batch_input_that_requires_grad_gets_its_grad_as_under_eager(stage, precision):
@@ -373,10 +419,19 @@ def test_a_batch_input_that_requires_grad_gets_its_grad_as_under_eager(stage, pr
         for call in range(2):
             step(model, opt, x, y), regression_step(ref, ref_opt, x_ref, y)
             torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=0, msg=f"call {call}")
+        held = x.grad  # the next call adds into it in place
         x_plain = x.detach()  # a batch that requires no grad: a graph of its own, which leaves it none
         step(model, opt, x_plain, y), regression_step(ref, ref_opt, x_plain, y)
         assert x_plain.grad is None and step.stats().traces == 2
+        step(model, opt, x, y), regression_step(ref, ref_opt, x_ref, y)
+        assert x.grad is held
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=0)
+        # passed twice (an autoencoder's input and target): one gradient, through both uses
+        x2, x2_ref = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        (ae, ae_opt), (ae_ref, ae_ref_opt) = _autoencoder(), _autoencoder()
+        zerofx.compile(regression_step, stage=stage)(ae, ae_opt, x2, x2)
+        regression_step(ae_ref, ae_ref_opt, x2_ref, x2_ref)
+        torch.testing.assert_close(x2.grad, x2_ref.grad, rtol=1e-6, atol=0)
     else:
         zerofx.compile(regression_step, stage=stage, mixed_precision=zerofx.MixedPrecision(torch.bfloat16))(
             model, opt, x, y)

@@ -192,15 +192,25 @@ class CompiledStep:
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
         """The call's arguments by position: a keyword argument goes where the train step's signature puts it (the
-        step finds models, optimizers and the batch by position)."""
+        step finds models, optimizers and the batch by position), a default it skips to get there with it."""
         if not kwargs:
             return args
-        bound = inspect.signature(self.train_step).bind(*args, **kwargs)
-        bound.apply_defaults()  # a keyword argument after a default left out
-        if bound.kwargs:
-            raise TypeError(f"the train step takes {sorted(bound.kwargs)} by keyword only: zerofx passes the "
-                            "step's arguments by position; make them positional parameters")
-        return bound.args
+        signature = inspect.signature(self.train_step)
+        given = signature.bind(*args, **kwargs).arguments
+        by_keyword = [name for name, p in signature.parameters.items()
+                      if name in given and p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD)]
+        if by_keyword:
+            raise TypeError(f"the train step's signature takes {by_keyword} by keyword only (after * or as **kwargs): "
+                            "zerofx passes the step's arguments by position; make them positional parameters")
+        positional = [p for p in signature.parameters.values() if p.kind != p.KEYWORD_ONLY]
+        last = max(i for i, p in enumerate(positional) if p.name in given)
+        values = []
+        for p in positional[:last + 1]:
+            if p.kind == p.VAR_POSITIONAL:
+                values += given.get(p.name, ())
+            else:
+                values.append(given[p.name] if p.name in given else p.default)
+        return tuple(values)
 
     def state_dict(self) -> dict:
         """This rank's shards in place (``zerofx.state_dict``); with ``load_state_dict`` the step is a DCP

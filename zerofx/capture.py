@@ -64,6 +64,8 @@ class CapturedStep:
     added_to_at_backward: frozenset[str] = frozenset()
     # parameters whose stand-in the step's own code held (`HandedToPython`): the graph may be another call's
     standins_handed: frozenset[str] = frozenset()
+    # parameters whose gradient, as an update starts, no backward left (set by hand), with the user's line
+    grads_set_by_hand: dict[str, str | None] = dataclasses.field(default_factory=dict)
 
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
@@ -97,6 +99,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     standins = set(grads) - set(present_grads(binding))
     added_to_at_backward: set[str] = set()
     handed_to_python: set[str] = set()  # filled inside the trace
+    grads_set_by_hand: dict[str, str | None] = {}  # filled inside the trace
     modes_before = binding.training_modes(args)
     plain_before = guards.module_attributes(binding, args), guards.function_values(train_step)
 
@@ -174,7 +177,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             for oi, opt in enumerate(optimizers):
                 stack.enter_context(swap_optimizer(opt, oi, binding, slots, local_fakes,
                                                    {**fake_params, **fake_masters}, optimizer_targets))
-                stack.enter_context(at_update_start(opt, lambda: on_optimizer_start(recorder, fake_params, incoming)))
+                stack.enter_context(at_update_start(opt, lambda: on_optimizer_start(recorder, fake_params, incoming,
+                                                                                       grads_set_by_hand)))
                 stack.enter_context(hook(opt.register_step_post_hook(lambda o, *_: optimizer_end(o))))
             stack.enter_context(track_backward(recorder, fake_params, mixed_trace, withdraw_standins))
             stack.enter_context(refuse_scheduler_steps())
@@ -251,7 +255,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     modes_after = binding.training_modes(args)
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
                         modes_after if modes_after != modes_before else None, frozenset(added_to_at_backward),
-                        frozenset(handed_to_python))
+                        frozenset(handed_to_python), grads_set_by_hand)
 
 
 def _number_read_in_torch_nn(tb) -> str | None:
@@ -337,8 +341,10 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
     for fqn, p in (fake_masters or fake_params).items():
         if p.grad is not None:
             emit(p.grad, Slot(Role.GRAD_OUT, fqn))
+    with_grads = {}  # a batch input that requires grad, as eager leaves it: once, where it is passed twice
     for i, s in enumerate(slots):
-        if s.role == Role.BATCH and fakes[i].grad is not None:  # a batch input that requires grad, as eager leaves
+        if s.role == Role.BATCH and fakes[i].grad is not None and id(fakes[i]) not in with_grads:
+            with_grads[id(fakes[i])] = s
             emit(fakes[i].grad, Slot(Role.BATCH_GRAD, key=s.key))
     input_fakes = {id(local(fakes[i])) for i in range(len(slots))}
     fqn_of_fake = {id(local(p)): fqn for fqn, p in {**fake_params, **fake_masters}.items()}

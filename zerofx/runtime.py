@@ -290,6 +290,7 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     released = frozenset()
     _refuse_grads_missing_from_the_last_microbatch(captured_sg)
     if ctx.stage >= 1:
+        _refuse_grads_set_by_hand(captured)
         _refuse_params_read_after_update(captured_sg)
         _refuse_grads_not_kept(captured, state)
     if ctx.stage >= 1 or mixed is not None:
@@ -419,6 +420,20 @@ def _refuse_grads_not_kept(captured: CapturedStep, state: ShardedState | None) -
             hint="call optimizer.zero_grad() before the first call, or use stage 0")
 
 
+def _refuse_grads_set_by_hand(captured: CapturedStep) -> None:
+    """From stage 1 on the optimizer updates this rank's shard with this rank's shard of the reduced gradient: one no
+    backward left (``p.grad = g``) has neither."""
+    if captured.grads_set_by_hand:
+        fqn, source = next(iter(captured.grads_set_by_hand.items()))
+        raise CaptureError(
+            f"the update reads a gradient of parameter '{fqn}' that no backward() left (set by hand: from "
+            "torch.autograd.grad, or zeros for a parameter backward did not reach): from stage 1 on the optimizer "
+            "updates this rank's shard with its shard of a gradient reduced across ranks as backward leaves it",
+            source=source, hint="compute the gradients with loss.backward() (backward(inputs=...) for some "
+                                "parameters; a gradient penalty from torch.autograd.grad added to the loss is fine), "
+                                "or use stage 0, which updates with it as set, on each rank, as DDP does")
+
+
 def _grads_kept_for_next_call(captured: CapturedStep, sg: StepGraph, binding: StepBinding, args: tuple,
                               mixed: MixedPrecision | None,
                               added_to: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
@@ -500,9 +515,12 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
             optimizers[slot.optimizer].state[binding.params[slot.fqn]][slot.key] = value
         elif slot.role == Role.NEW_BUFFER:
             _set_buffer(binding, args, slot.fqn, value)
-        elif slot.role == Role.BATCH_GRAD:  # added to one left there before, as backward adds
+        elif slot.role == Role.BATCH_GRAD:  # added in place to one left there before, as backward adds
             leaf = pytree.tree_leaves(binding.batch(args))[int(slot.key)]
-            leaf.grad = value if leaf.grad is None else leaf.grad + value
+            if leaf.grad is None:
+                leaf.grad = value
+            else:
+                leaf.grad.add_(value)
     for fqn, p in binding.trainable().items():
         if fqn not in compiled.left_grads:
             p.grad = None  # the step left no gradient (zero_grad at its end, or a sharded stage)

@@ -306,7 +306,7 @@ def _refuse_between_calls(marker: KeptGradMarker | None, what: str, done: str = 
 
 def _members(binding: StepBinding, args: tuple) -> list[frozenset[str]]:
     fqn_of = binding.fqn_of
-    return [frozenset(fqn_of[id(p)] for group in opt.param_groups for p in group["params"])
+    return [frozenset(fqn_of.get(id(p)) for group in opt.param_groups for p in group["params"]) - {None}
             for opt in binding.optimizers(args)]
 
 

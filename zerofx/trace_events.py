@@ -155,19 +155,16 @@ def at_update_start(opt, callback):
         yield
 
 
-def on_optimizer_start(recorder: PhaseRecorder, fake_params: dict,
-                       incoming: Callable[[str, torch.Tensor], bool]) -> None:
-    """``incoming(fqn, grad)``: whether ``grad`` is one the step found set (an earlier call's backward left it)."""
+def on_optimizer_start(recorder: PhaseRecorder, fake_params: dict, incoming: Callable[[str, torch.Tensor], bool],
+                       set_by_hand: dict[str, str | None]) -> None:
+    """``incoming(fqn, grad)``: whether ``grad`` is one the step found set (an earlier call's backward left it).
+    Records in ``set_by_hand`` the parameters whose gradient, as the update starts, no backward left (``p.grad = g``
+    from ``torch.autograd.grad``, zeros for a parameter backward did not reach), with the user's line."""
     recorder.event("optimizer_start")
     from_backward = {slot.fqn for _, slot in recorder.grad_nodes if slot.role == Role.GRAD}
     for fqn, p in fake_params.items():
         if p.grad is not None and fqn not in from_backward and not incoming(fqn, p.grad):
-            raise CaptureError(
-                f"the update reads a gradient of parameter {fqn!r} that no backward() left (set by hand: from "
-                "torch.autograd.grad, say): zerofx reduces across ranks the gradients backward() leaves in .grad, "
-                "so each rank would update with its own", source=user_frame(),
-                hint="compute the gradients with loss.backward() (backward(inputs=...) for some parameters); a "
-                     "gradient penalty from torch.autograd.grad(..., create_graph=True) added to the loss is fine")
+            set_by_hand.setdefault(fqn, user_frame())
     recorder.note_grads(fake_params, Role.OPTIMIZER_GRAD)
     for p in fake_params.values():
         if local(p) is not p:  # a DTensor: the optimizer updates its local tensor, from the local gradient
