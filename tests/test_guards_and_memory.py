@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import zerofx
+from gpu_smoke import update_when_told
 from models import bn_and_sgd, bn_batch, gpt_and_adamw, token_batch, train_step
 
 
@@ -263,15 +264,6 @@ def test_a_gradient_kept_from_the_last_planned_step_is_not_overwritten_by_the_ne
 
 
 
-def _backward_every_call_update_every_third(model, opt, x, y, update):
-    loss = model(x, y)
-    (loss / 3).backward()
-    if update:
-        opt.step()
-        opt.zero_grad()
-    return loss
-
-
 @pytest.mark.parametrize("memory_plan", [False, True])
 def test_a_gradient_the_caller_holds_through_an_accumulation_window_sums_it_as_under_eager(memory_plan):
     """A gradient the first call of a window leaves in the arena, held by the caller (the tensor, a view of it): the
@@ -280,8 +272,7 @@ def test_a_gradient_the_caller_holds_through_an_accumulation_window_sums_it_as_u
     sums = {}
     for kind in ("eager", "zerofx"):
         model, opt = gpt_and_adamw()
-        step = _backward_every_call_update_every_third if kind == "eager" else \
-            zerofx.compile(_backward_every_call_update_every_third, memory_plan=memory_plan)
+        step = update_when_told if kind == "eager" else zerofx.compile(update_when_told, memory_plan=memory_plan)
         for i in range(3):
             step(model, opt, *token_batch(i, 0), i == 2)
             if i == 0:
