@@ -341,10 +341,10 @@ def _collect_outputs(user_out, binding, modules, optimizers, slots, fakes, fake_
     for fqn, p in (fake_masters or fake_params).items():
         if p.grad is not None:
             emit(p.grad, Slot(Role.GRAD_OUT, fqn))
-    with_grads = {}  # a batch input that requires grad, as eager leaves it: once, where it is passed twice
+    with_grads = set()  # a batch input that requires grad, as eager leaves it: once, where it is passed twice
     for i, s in enumerate(slots):
         if s.role == Role.BATCH and fakes[i].grad is not None and id(fakes[i]) not in with_grads:
-            with_grads[id(fakes[i])] = s
+            with_grads.add(id(fakes[i]))
             emit(fakes[i].grad, Slot(Role.BATCH_GRAD, key=s.key))
     input_fakes = {id(local(fakes[i])) for i in range(len(slots))}
     fqn_of_fake = {id(local(p)): fqn for fqn, p in {**fake_params, **fake_masters}.items()}
