@@ -55,3 +55,41 @@ def strided_layouts_against_ddp(rank, world_size, stage, memory_plan, steps=3):
         torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0, msg=f"step {i}")
     assert_matches_ddp(step, ref_model, ref_opt)
     return True
+
+
+class GroupNormNet(nn.Module):
+    """A conv and a group norm that take the batch in whatever layout it comes: their kernels follow it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.norm(self.conv(x)).mean((2, 3))), y)
+
+
+def layouts_changed_between_calls_against_eager(rank, world_size, stage, memory_plan):
+    """The batch alternates between contiguous and channels-last from call to call, and at stage 0 (where the model
+    keeps its parameters) the model itself turns channels-last after two calls. Every rank takes the same batch, so
+    eager PyTorch on one rank is the referee."""
+    torch.manual_seed(0)
+    model = GroupNormNet()
+    ref_model = GroupNormNet()
+    ref_model.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref_model))
+    step = zerofx.compile(train_step, stage=stage, memory_plan=memory_plan)
+    for i in range(5):
+        if i == 2 and stage == 0:
+            model.to(memory_format=torch.channels_last)
+            ref_model.to(memory_format=torch.channels_last)
+        x, y = image_batch(i, rank=0)
+        if i % 2:
+            x = x.contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(step(model, opt, x, y), train_step(ref_model, ref_opt, x, y), rtol=0, atol=0,
+                                   msg=f"call {i}")
+    full = zerofx.full_state_dict(step)["model"]
+    for fqn, p in ref_model.named_parameters():
+        torch.testing.assert_close(full[fqn], p.detach(), rtol=0, atol=0, msg=fqn)
+    return step.stats().traces

@@ -1,10 +1,10 @@
 """What a captured graph depends on besides its inputs. A change of any of these re-traces (cached per key).
 
-Parameter and buffer shapes, dtypes, devices and ``requires_grad``; which parameters have a ``.grad`` (for a
+Parameter and buffer shapes, strides, dtypes, devices and ``requires_grad``; which parameters have a ``.grad`` (for a
 step that reads incoming gradients); every module's train/eval mode and plain attributes (numbers, strings, flags:
 a temperature annealed from the loop); the plain values the step function reads from its globals and closure (a
 loss weight on a schedule); the optimizer's type, groups, state layout and
-its hyperparameters that are not graph inputs; the batch's structure, shapes and dtypes and any non-tensor
+its hyperparameters that are not graph inputs; the batch's structure, shapes, strides and dtypes and any non-tensor
 argument's value. Of a hyperparameter that is a
 graph input the key holds only the branch torch.optim takes on it (``momentum != 0``), never its value.
 """
@@ -22,8 +22,10 @@ from zerofx.binding import StepBinding, present_grads
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
-    # read for every parameter and state tensor each step: is_cpu costs a sixth of making a torch.device
-    return (t.shape, t.dtype, "cpu" if t.is_cpu else t.device.type)
+    # read for every parameter and state tensor each step: is_cpu costs a sixth of making a torch.device. The trace
+    # runs on stand-ins with the tensor's strides, and kernels and views in the graph follow them (a channels-last
+    # batch given to a graph traced on a contiguous one computed wrong gradients)
+    return (t.shape, t.stride(), t.dtype, "cpu" if t.is_cpu else t.device.type)
 
 
 def _state_part(opt: torch.optim.Optimizer, fqn_of: dict[int, str]) -> tuple:
