@@ -150,8 +150,12 @@ def _nbytes(node: fx.Node) -> int:
 
 
 def _kept(node: fx.Node, members: set[fx.Node]) -> bool:
-    """A region output (forward reads it after the region) or a collective: saved, not recomputed."""
+    """A region output (forward reads it after the region), a collective, or a generator state read (the user's own
+    ``torch.utils.checkpoint`` inside the region restores it in backward: read again there, it would redraw the
+    dropout masks): saved, not recomputed."""
     if node.target in collectives.COLLECTIVES or getattr(node.target, "namespace", None) == "_c10d_functional":
+        return True
+    if node.target is GET:
         return True
     return any(u not in members and tag(u) is not None and tag(u).phase == Phase.FORWARD for u in node.users)
 

@@ -105,16 +105,34 @@ class CheckpointedGPT(GPT):
         return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def users_checkpoint_against_ddp(rank, world_size, stage, use_reentrant, steps=4):
+class SelfCheckpointingBlock(nn.Module):
+    """A block that checkpoints itself inside its own forward, as Hugging Face's ``GradientCheckpointingLayer`` does:
+    the generator-state read is inside the module call zerofx's checkpointing recomputes."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+class SelfCheckpointingGPT(GPT):
+    def __init__(self, cfg, use_reentrant=False):
+        super().__init__(cfg)
+        self.blocks = nn.ModuleList(SelfCheckpointingBlock(block) for block in self.blocks)
+
+
+def users_checkpoint_against_ddp(rank, world_size, stage, use_reentrant, steps=4, inside_blocks=False, **options):
     def build():
         torch.manual_seed(0)
-        model = CheckpointedGPT(DROPOUT_GPT, use_reentrant)
+        model = (SelfCheckpointingGPT if inside_blocks else CheckpointedGPT)(DROPOUT_GPT, use_reentrant)
         return model, torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
 
     ref_model, ref_opt = build()
     ddp = DDP(ref_model)
     model, opt = build()
-    step = zerofx.compile(train_step, stage=stage)
+    step = zerofx.compile(train_step, stage=stage, **options)
     for i in range(steps):
         x, y = token_batch(i, rank, cfg=DROPOUT_GPT)
         torch.manual_seed(100 * i + rank)

@@ -62,6 +62,16 @@ def test_users_own_checkpoint_matches_ddp(ranks2, use_reentrant):
     ranks2.run(cases.users_checkpoint_against_ddp, stage=3, use_reentrant=use_reentrant)
 
 
+@pytest.mark.parametrize("stage, options", [(0, {"checkpoint": "blocks"}), (1, {"checkpoint": "blocks"}),
+                                            (2, {"checkpoint": "blocks"}), (3, {"checkpoint": "blocks"}),
+                                            (0, {"activation_budget": 0.5}), (3, {"activation_budget": 0.5})])
+def test_users_own_checkpoint_under_zerofx_checkpointing_matches_ddp(ranks2, stage, options):
+    """Blocks that checkpoint themselves: the user's checkpoint reads the generator's state in forward and restores
+    it for its recompute in backward; zerofx's recompute of the same block keeps that read as saved (read again in
+    backward, it redrew the dropout masks)."""
+    ranks2.run(cases.users_checkpoint_against_ddp, stage=stage, use_reentrant=False, inside_blocks=True, **options)
+
+
 @pytest.mark.parametrize("arch, use_reentrant", [("llama", None), ("gpt2", False)])
 def test_hf_gradient_checkpointing_matches_ddp(ranks2, arch, use_reentrant):
     """HF's default mode (reentrant) on Llama; GPT-2 with its dropouts, non-reentrant, recomputes the masks."""
