@@ -243,6 +243,39 @@ def test_prepare_refuses_what_the_backend_does_not_run_yet():
         cases.zerofx.prepared(model)
 
 
+@pytest.mark.parametrize("stage, mixed", [(0, True), (1, False), (2, False), (3, False), (3, True)])
+def test_prepare_refuses_a_second_optimizer_and_a_trainable_parameter_outside_its_optimizer(stage, mixed):
+    """A second optimizer over the biases, kept beside the one given to prepare, never moved them from stage 1 on:
+    prepare takes every trainable parameter into its optimizer's shards. Stage 0 in full precision keeps the
+    parameters in the model, and the second optimizer steps them (as under DDP)."""
+    import zerofx
+
+    model, _ = mlp_and_adamw()
+    weights = torch.optim.AdamW([p for name, p in model.named_parameters() if name.endswith("weight")], lr=1e-2)
+    biases = torch.optim.SGD([p for name, p in model.named_parameters() if name.endswith("bias")], lr=1e-2)
+    policy = zerofx.MixedPrecision(torch.bfloat16) if mixed else None
+    with pytest.raises(TypeError, match="zerofx.prepare takes one torch.optim.Optimizer, got list"):
+        zerofx.prepare(model, [weights, biases], stage=stage, mixed_precision=policy)
+    with pytest.raises(ValueError, match="parameter '0.bias' requires grad but is not in the optimizer given to "
+                                         r"prepare \(2 such\)"):
+        zerofx.prepare(model, weights, stage=stage, mixed_precision=policy)
+
+
+def test_a_second_optimizer_beside_prepare_at_stage_0_steps_its_parameters():
+    import zerofx
+
+    model, _ = mlp_and_adamw()
+    weights = torch.optim.AdamW([p for name, p in model.named_parameters() if name.endswith("weight")], lr=1e-2)
+    biases = torch.optim.SGD([p for name, p in model.named_parameters() if name.endswith("bias")], lr=1e-2)
+    model, weights = zerofx.prepare(model, weights, stage=0)
+    compiled = torch.compile(model, backend=zerofx.backend(stage=0))
+    before = model[0].bias.detach().clone()
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    torch.nn.functional.mse_loss(compiled(x), y).backward()
+    weights.step(), biases.step()
+    assert not torch.equal(model[0].bias, before)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_float_batch_in_bf16_is_cast_as_it_enters_and_trains_as_the_whole_step(stage):
     """``cast_forward_inputs`` (FSDP2's default): the prepared model casts a float batch to bf16 as the whole-step

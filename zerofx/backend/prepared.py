@@ -254,7 +254,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
     torch.bfloat16)`` runs forward and backward in ``param_dtype`` (the model's trainable parameters are cast to it)
     and reduces gradients in ``grad_dtype``, while the optimizer updates fp32 master weights in their place, as
     ``zerofx.compile`` does with the same option. Every rank calls it, once, before the model first runs."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"zerofx.prepare takes one torch.optim.Optimizer, got {type(optimizer).__name__}: the backend "
+                        "path updates the shards through it; for several optimizers use zerofx.compile, whose train "
+                        "step takes each")
     _check_mixed_precision(model, mixed_precision, stage)
+    if stage >= 1 or mixed_precision is not None:
+        _refuse_trainable_outside(model, optimizer)
     if mesh is not None:
         raise NotImplementedError("zerofx.prepare: mesh= is not supported by the backend path yet; use "
                                   "zerofx.compile for tensor parallelism")
@@ -270,6 +276,20 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
         model.register_forward_pre_hook(cast_floating_inputs(mixed_precision.param_dtype), with_kwargs=True)
     _PREPARED[model] = prepared
     return model, optimizer
+
+
+def _refuse_trainable_outside(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A parameter that requires grad goes into the optimizer's shards: refuse, naming it, one the optimizer does
+    not hold (another optimizer stepping it would find no gradient and leave it as it is, silently)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    outside = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if outside:
+        raise ValueError(
+            f"zerofx.prepare: parameter '{outside[0]}' requires grad but is not in the optimizer given to prepare "
+            f"({len(outside)} such): from stage 1 on, and under mixed precision, the backend path keeps each "
+            "trainable parameter's values and gradient in that optimizer's shards. Give the optimizer every trainable "
+            "parameter (a param group of their own keeps their lr and weight decay), freeze the others with "
+            "requires_grad_(False), or use zerofx.compile, whose train step takes several optimizers")
 
 
 def _check_mixed_precision(model: nn.Module, mixed: MixedPrecision | None, stage: int) -> None:
