@@ -235,12 +235,17 @@ def test_optimizer_parameter_outside_the_module_raises_capture_error():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
-def test_a_hook_on_a_parameter_tensor_is_refused_by_name(stage, hook):
-    """The trace computes with stand-ins for the parameters: a hook on the parameter itself would never run."""
+@pytest.mark.parametrize("after_calls", [0, 1])
+def test_a_hook_on_a_parameter_tensor_is_refused_by_name(stage, hook, after_calls):
+    """The trace computes with stand-ins for the parameters: a hook on the parameter itself would never run, whether
+    registered before the first call or after it."""
     model, opt = gpt_and_adamw()
+    step = zerofx.compile(train_step, stage=stage)
+    for i in range(after_calls):
+        step(model, opt, *token_batch(i, 0))
     getattr(model.wpe.weight, hook)(lambda t: None)
     with pytest.raises(zerofx.CaptureError, match=f"parameter 'wpe.weight' has a hook .*Tensor.{hook}"):
-        zerofx.compile(train_step, stage=stage)(model, opt, *token_batch(0, 0))
+        step(model, opt, *token_batch(after_calls, 0))
 
 
 def _scaled_regression_step(model, optimizer, x, y, scale=1.0, square=False):
@@ -953,3 +958,162 @@ def test_a_stand_in_looked_at_and_dropped_without_backward_is_captured_again_wit
     torch.testing.assert_close(step(model, opt, *token_batch(0, 0)),
                                _evaluate_scaled_by_a_look_at_grad(eager, eager_opt, *token_batch(0, 0)))
     assert len(captures) == 2
+
+
+def _bn_regressor_and_sgd():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+
+def _assign_a_buffer(model):
+    model[1].running_mean = torch.full((16,), 0.5)
+
+
+def _replace_the_activation(model):
+    model[2] = torch.nn.Tanh()
+
+
+def _add_a_forward_hook(model):
+    model[2].register_forward_hook(lambda module, inputs, output: output * 0.5)
+
+
+def _convert_to_float64(model):
+    model.double()  # the parameters' data converted in place, new buffers put in place without registering them
+
+
+@pytest.mark.parametrize("stage, change", [(stage, change) for stage in (0, 1, 2, 3) for change in (
+    _assign_a_buffer, _replace_the_activation, _add_a_forward_hook)] + [(0, _convert_to_float64)])
+def test_a_module_changed_between_calls_trains_as_eager(stage, change):
+    """A buffer assigned, a submodule replaced, a module hook added (then removed) or, at stage 0, the model
+    converted to float64 between calls: the next call re-traces the model as it now is (each ran the first call's
+    graph, silently, or failed). From stage 1 on a conversion is refused: the next test."""
+    (model, opt), (ref, ref_opt) = _bn_regressor_and_sgd(), _bn_regressor_and_sgd()
+    step = zerofx.compile(regression_step, stage=stage)
+    g = torch.Generator().manual_seed(0)
+    handles = []
+    for i in range(4):
+        if i == 1:
+            handles = [change(model), change(ref)]
+        if i == 3 and handles[0] is not None:
+            [handle.remove() for handle in handles]
+        dtype = next(ref.parameters()).dtype
+        x, y = torch.randn(6, 8, generator=g, dtype=dtype), torch.randn(6, 1, generator=g, dtype=dtype)
+        torch.testing.assert_close(step(model, opt, x, y), regression_step(ref, ref_opt, x, y), rtol=0, atol=0,
+                                   msg=f"call {i}")
+    assert step.stats().traces == (3 if handles[0] is not None else 2)
+    trained = zerofx.full_state_dict(step)["model"]
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=0, msg=name)
+
+
+def _new_head_outside_the_optimizer(model, opt):
+    model[3] = torch.nn.Linear(16, 1)
+
+
+def _head_weight_swapped_in_the_module_and_its_group(model, opt):
+    (old,) = [i for i, p in enumerate(opt.param_groups[0]["params"]) if p is model[3].weight]
+    model[3].weight = opt.param_groups[0]["params"][old] = torch.nn.Parameter(torch.randn(1, 16))
+
+
+@pytest.mark.parametrize("stage, mixed", [(0, False), (0, True), (1, False), (2, False), (3, False)])
+@pytest.mark.parametrize("replace", [_new_head_outside_the_optimizer, _head_weight_swapped_in_the_module_and_its_group])
+def test_a_replaced_parameter_the_step_owns_is_refused_and_one_it_does_not_trains_as_eager(stage, mixed, replace):
+    """A new head the optimizer does not step, or a new head weight put in the module and in the param group (the
+    old one's optimizer state stays behind, unread): at stage 0 (the model keeps its parameters) the next call trains
+    with it as eager does (it ran the old graph or raised a bare KeyError); a step that owns its parameters (from
+    stage 1 on, or under mixed precision) refuses it by name, where it went on training the head it took."""
+    (model, opt), (ref, ref_opt) = _bn_regressor_and_sgd(), _bn_regressor_and_sgd()
+    if replace is _new_head_outside_the_optimizer:
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.param_groups[0]["params"] = list(m[0].parameters())
+    policy = zerofx.MixedPrecision(param_dtype=torch.bfloat16) if mixed else None
+    step = zerofx.compile(regression_step, stage=stage, mixed_precision=policy)
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+        if i == 1:
+            for m, o in ((model, opt), (ref, ref_opt)):
+                torch.manual_seed(1)
+                replace(m, o)
+        if i == 1 and (stage > 0 or mixed):
+            with pytest.raises(zerofx.CaptureError, match="parameter '3.weight' of the model is not the one the "
+                                                          "step took on its first call"):
+                step(model, opt, x, y)
+            return
+        loss, ref_loss = step(model, opt, x, y), regression_step(ref, ref_opt, x, y)
+        if not mixed:
+            torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0, msg=f"call {i}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def _clip_weights(model, opt):
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.01, 0.01)  # WGAN's critic clipping
+
+
+def _zero_a_bias(model, opt):
+    torch.nn.init.zeros_(model[0].bias)
+
+
+def _assign_new_values(model, opt):
+    model[0].weight.data = torch.zeros(16, 8)
+
+
+def _convert_the_model(model, opt):
+    model.double()
+
+
+def _load_an_eager_optimizers_state(model, opt):
+    twin, twin_opt = _bn_regressor_and_sgd()
+    regression_step(twin, twin_opt, torch.randn(6, 8), torch.randn(6, 1))
+    opt.load_state_dict(twin_opt.state_dict())  # its momentum buffers, full
+
+
+def _clear_the_optimizers_state(model, opt):
+    opt.state.clear()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("write, named", [(_clip_weights, "parameter '0.weight' was written"),
+                                          (_zero_a_bias, "parameter '0.bias' was written"),
+                                          (_assign_new_values, "parameter '0.weight' was written"),
+                                          (_convert_the_model, "parameter '0.weight' was written or converted"),
+                                          (_load_an_eager_optimizers_state, "the state 'momentum_buffer' of parameter "
+                                                                           "'0.weight' in optimizer 0 .SGD. was"),
+                                          (_clear_the_optimizers_state, "the state 'momentum_buffer' of parameter")])
+def test_a_write_between_calls_to_what_the_step_took_is_refused_by_name(stage, write, named):
+    """From stage 1 on the module and the optimizer keep empty tensors where the step took the values: a write there
+    (weight clipping, nn.init, new data, the optimizer's state loaded or cleared) did nothing, and training went on
+    as if it had not been made."""
+    model, opt = _bn_regressor_and_sgd()
+    step = zerofx.compile(regression_step, stage=stage)
+    g = torch.Generator().manual_seed(0)
+    step(model, opt, torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g))
+    write(model, opt)
+    with pytest.raises(zerofx.CaptureError, match=named):
+        step(model, opt, torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g))
+
+
+def test_a_write_to_a_parameter_between_calls_reaches_the_copy_mixed_precision_computes_with_at_stage_0():
+    """At stage 0 under bf16 the module's parameters are the fp32 masters and forward computes with bf16 copies: a
+    write to a master between calls is cast into its copy, as loading the same values with zerofx.load_state_dict
+    does (the next call computed its loss and gradients at the old weights)."""
+    policy = zerofx.MixedPrecision(param_dtype=torch.bfloat16)
+    (model, opt), (ref, ref_opt) = _bn_regressor_and_sgd(), _bn_regressor_and_sgd()
+    step, ref_step = (zerofx.compile(regression_step, stage=0, mixed_precision=policy) for _ in range(2))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)) for _ in range(3)]
+    step(model, opt, *batches[0]), ref_step(ref, ref_opt, *batches[0])
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    full = zerofx.full_state_dict(ref_step)
+    full["model"]["0.weight"] = full["model"]["0.weight"] * 0.5
+    zerofx.load_state_dict(ref_step, full)
+    for i, batch in enumerate(batches[1:]):
+        torch.testing.assert_close(step(model, opt, *batch), ref_step(ref, ref_opt, *batch), rtol=0, atol=0,
+                                   msg=f"call {i + 1}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)

@@ -136,6 +136,19 @@ def _refuse_complex_shards(binding: StepBinding) -> None:
                                     "and imaginary parts)")
 
 
+def _refuse_replacing_owned(old: StepBinding, new: StepBinding, owned) -> None:
+    """A step that owns parameters (from stage 1 on, or under mixed precision) trains the ones it took: refuse,
+    naming it, one the model no longer holds."""
+    for fqn in owned:
+        if new.params.get(fqn) is not old.params[fqn]:
+            raise CaptureError(
+                f"parameter '{fqn}' of the model is not the one the step took on its first call (it was replaced: a "
+                "new submodule, load_state_dict(assign=True), an assignment): the step owns the parameters it took "
+                "and would go on training those",
+                hint="replace parameters before the first call, or load zerofx.full_state_dict(step) into the model "
+                     "as it is now and compile a new step for it")
+
+
 def _refuse_prepared(modules) -> None:
     from zerofx.backend.prepared import is_prepared  # the backend builds on this module
 
@@ -223,8 +236,11 @@ class CompiledStep:
     def _step(self, args: tuple):
         compiled = self._prepare(args)
         self._last_probe = StepProbe(compiled.gm) if self.config.track_memory else None
-        return runtime.execute(compiled, binding=self._binding, args=args, state=self._owned,
-                               probe=self._last_probe, specs=self._specs, tp_rank=self._dp.tp_rank)
+        out = runtime.execute(compiled, binding=self._binding, args=args, state=self._owned,
+                              probe=self._last_probe, specs=self._specs, tp_rank=self._dp.tp_rank)
+        if self._owned is not None:
+            self._owned.note_module_versions(self._binding)
+        return out
 
     def _prepare(self, args: tuple, carried: bool = True) -> runtime.CompiledGraph:
         """Bind, guard, capture on a new key, take the sharded state on the first call: all but running. With
@@ -234,6 +250,7 @@ class CompiledStep:
         self._args = tuple(a if i in taken else None for i, a in enumerate(args))  # not the batch: it would live on
         if self._owned is not None:
             refuse_joining_an_optimizer(self._owned, binding, args)  # before its lazy state is made
+            self._owned.reconcile_writes(binding, args)
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = self._dp.size, self._dp.rank, self._dp.group_name
@@ -296,8 +313,10 @@ class CompiledStep:
             mixed.param_dtype if mixed else None, world_size)
         if self._owned is not None:
             self._owned.absorb(binding, args, layouts)
+            self._owned.note_module_versions(binding)
             return
         self._owned = ShardedState.take(binding, args, layouts, stage, rank, mixed, self._dp.group)
+        self._owned.note_module_versions(binding)
         if stage >= 1:
             self._owned_parts = guards.owned_parts(key)  # as they were before the originals were released
             for module in binding.modules(args):
@@ -322,19 +341,27 @@ class CompiledStep:
 
     def _bind(self, args: tuple) -> StepBinding:
         ids = tuple(id(a) for a in args if isinstance(a, (nn.Module, torch.optim.Optimizer)))
-        if self._binding is None or ids != self._binding_ids:
+        if self._binding is not None and ids == self._binding_ids:
+            rebound = self._binding.rebound(args)
+            if rebound is None:
+                refuse_tensor_hooks(self._binding)  # one registered since the last call
+                return self._binding
+            if self._owned is not None:
+                _refuse_replacing_owned(self._binding, rebound, self._owned.layouts)
+            self._binding = rebound  # its count of rebinds in the key re-traces
+        else:
             if self._owned is not None:
                 raise RuntimeError("this step owns the sharded state of the model and optimizer it first ran with; "
                                    "compile a new step for other ones")
             first = self._binding is None
             self._binding, self._binding_ids = StepBinding.from_args(args), ids
             refuse_taken(self._binding)
-            _refuse_prepared(self._binding.modules(args))
-            refuse_tensor_hooks(self._binding)
-            if self.config.stage >= 1:
-                _refuse_complex_shards(self._binding)
             if first and self._dp.size > 1:
                 runtime.sync_module_states(self._binding, self._dp.group)
+        _refuse_prepared(self._binding.modules(args))
+        refuse_tensor_hooks(self._binding)
+        if self.config.stage >= 1:
+            _refuse_complex_shards(self._binding)
         return self._binding
 
     def _build(self, binding, args, key, world_size, group_name) -> tuple[runtime.CompiledGraph, dict]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -29,6 +29,11 @@ class StepBinding:
     buffers: dict[str, torch.Tensor]
     buffer_aliases: dict[str, str]
     _submodules: list[list[nn.Module]] | None = None
+    # each buffer's place in its module (its ``_buffers`` dict, its name there): a conversion of the model
+    # (``model.double()``, ``Module._apply``) puts new buffers there without registering them
+    buffer_homes: dict[str, tuple[dict, str]] = field(default_factory=dict)
+    rebinds: int = 0  # how many bindings of the same arguments came before this one (a submodule replaced, ...)
+    registrations: int = 0  # `_registrations` when made: a module has registered nothing since while they are equal
     # `zerofx.guards.module_attributes`' cache: each submodule's attribute count, and its plain attributes' names
     plain_attributes: tuple[list[int], list[list[str]]] | None = None
 
@@ -43,6 +48,8 @@ class StepBinding:
 
     @classmethod
     def from_args(cls, args: tuple) -> "StepBinding":
+        _watch_registrations()
+        registrations = _registrations
         module_positions = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
         optimizer_positions = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
         for i, a in enumerate(args):
@@ -59,14 +66,35 @@ class StepBinding:
         if not optimizer_positions:
             raise CaptureError("no torch.optim.Optimizer among the train step's arguments",
                                hint="call it as step(model, optimizer, *batch)")
-        params, param_aliases, buffers, buffer_aliases = {}, {}, {}, {}
+        params, param_aliases, buffers, buffer_aliases, homes = {}, {}, {}, {}, {}
         for pos in module_positions:
-            prefix = "" if len(module_positions) == 1 else f"arg{pos}."
+            prefix = _prefix(pos, module_positions)
             _collect(args[pos].named_parameters(remove_duplicate=False), prefix, params, param_aliases)
             _collect(args[pos].named_buffers(remove_duplicate=False), prefix, buffers, buffer_aliases)
-        binding = cls(module_positions, optimizer_positions, params, param_aliases, buffers, buffer_aliases)
+            for path, module in args[pos].named_modules(remove_duplicate=False):
+                owner = prefix + (f"{path}." if path else "")
+                homes.update({owner + name: (module._buffers, name) for name in module._buffers})
+        binding = cls(module_positions, optimizer_positions, params, param_aliases, buffers, buffer_aliases,
+                      buffer_homes={fqn: homes[fqn] for fqn in buffers}, registrations=registrations)
         binding._check_optimizers(args)
         return binding
+
+    def rebound(self, args: tuple) -> "StepBinding | None":
+        """A new binding of ``args`` where one of their modules now holds another parameter, buffer or submodule
+        than this binding found (a new head, ``load_state_dict(assign=True)``, a buffer assigned, the model
+        converted); None where nothing changed. Cheap while no module anywhere has registered anything."""
+        if _registrations == self.registrations and all(home.get(name) is self.buffers[fqn]
+                                                        for fqn, (home, name) in self.buffer_homes.items()):
+            return None
+        fresh = StepBinding.from_args(args)
+        fresh.rebinds = self.rebinds + 1
+        same = (_same_objects(self.params, fresh.params) and _same_objects(self.buffers, fresh.buffers)
+                and self.param_aliases == fresh.param_aliases and self.buffer_aliases == fresh.buffer_aliases
+                and all(map(_same_objects, self.submodules(args), fresh.submodules(args))))
+        if same:
+            self.registrations = fresh.registrations
+            return None
+        return fresh
 
     def _check_optimizers(self, args: tuple) -> None:
         known = {id(p) for p in self.params.values()}
@@ -80,7 +108,9 @@ class StepBinding:
                             f"optimizer parameter not in the module: param_groups[{gi}] of "
                             f"{type(opt).__name__} (argument {pos}) holds a tensor of shape {tuple(p.shape)} that "
                             "no nn.Module argument owns",
-                            hint="pass every module whose parameters the optimizer updates to the train step",
+                            hint="pass every module whose parameters the optimizer updates to the train step; "
+                                 "where the model's parameters were replaced (a new submodule, "
+                                 "load_state_dict(assign=True)), make the optimizer over the new ones",
                         )
 
     @functools.cached_property
@@ -91,7 +121,7 @@ class StepBinding:
     @property
     def module_prefixes(self) -> list[str]:
         """The prefix of each module argument's parameter names ("" when the step takes one module)."""
-        return ["" if len(self.module_positions) == 1 else f"arg{pos}." for pos in self.module_positions]
+        return [_prefix(pos, self.module_positions) for pos in self.module_positions]
 
     def modules(self, args: tuple) -> list[nn.Module]:
         return [args[i] for i in self.module_positions]
@@ -126,6 +156,33 @@ def refuse_tensor_hooks(binding: StepBinding) -> None:
                 f"parameter {fqn!r} has a hook registered with Tensor.{kind}: the traced step would not run it",
                 hint="do what the hook does in the train step, between backward() and the update "
                      "(p.grad.mul_(10), say), and remove the hook")
+
+
+def _prefix(pos: int, module_positions: list[int]) -> str:
+    return "" if len(module_positions) == 1 else f"arg{pos}."
+
+
+def _same_objects(a, b) -> bool:
+    """Two dicts (or lists) holding the same objects."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+_registrations = 0  # parameters, buffers and submodules any module has registered since zerofx began to count
+
+
+def _count_registration(*_) -> None:
+    global _registrations
+    _registrations += 1
+
+
+@functools.cache
+def _watch_registrations() -> None:
+    """Count every registration from now on (torch's global registration hooks, installed once)."""
+    torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+    torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+    torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
 
 
 def _collect(named, prefix, canonical: dict, aliases: dict) -> None:

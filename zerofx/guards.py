@@ -1,8 +1,9 @@
 """What a captured graph depends on besides its inputs. A change of any of these re-traces (cached per key).
 
 Parameter and buffer shapes, strides, dtypes, devices and ``requires_grad``; which parameters have a ``.grad`` (for a
-step that reads incoming gradients); every module's train/eval mode and plain attributes (numbers, strings, flags:
-a temperature annealed from the loop); the plain values the step function reads from its globals and closure (a
+step that reads incoming gradients); every module's train/eval mode, plain attributes (numbers, strings, flags:
+a temperature annealed from the loop) and hooks; how often a parameter, buffer or submodule was replaced since the
+first call; the plain values the step function reads from its globals and closure (a
 loss weight on a schedule); the optimizer's type, groups, state layout and
 its hyperparameters that are not graph inputs; the batch's structure, shapes, strides and dtypes and any non-tensor
 argument's value. Of a hyperparameter that is a
@@ -29,9 +30,10 @@ def _tensor_meta(t: torch.Tensor) -> tuple:
 
 
 def _state_part(opt: torch.optim.Optimizer, fqn_of: dict[int, str]) -> tuple:
+    # the state of a parameter the model no longer holds (replaced in the module and the param group) is never read
     return tuple((fqn_of[id(p)], tuple((k, _tensor_meta(v) if isinstance(v, torch.Tensor) else repr(v))
                                        for k, v in sorted(s.items())))
-                 for p, s in opt.state.items())
+                 for p, s in opt.state.items() if id(p) in fqn_of)
 
 
 _PLAIN = (bool, int, float, str, type(None))  # values a trace reads as constants
@@ -52,6 +54,26 @@ def module_attributes(binding: StepBinding, args: tuple) -> tuple:
         own = vars(m)
         values += [(j, name, own[name] if type(own[name]) in _PLAIN else "<not plain>") for name in names]
     return tuple(values)
+
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, "_global" + kind) for kind in _MODULE_HOOKS)
+
+
+def module_hooks(binding: StepBinding, args: tuple) -> tuple:
+    """(submodule, kind, hook names) of every module hook the user registered, and the global ones: the trace runs
+    them, so one added or removed after a call must re-trace. Named, not numbered: hook ids differ between ranks."""
+    modules = [m for submodules in binding.submodules(args) for m in submodules]
+    found = [(j, kind, _user_hooks(getattr(m, kind))) for j, m in enumerate(modules) for kind in _MODULE_HOOKS
+             if getattr(m, kind)]
+    found += [(-1, kind, _user_hooks(hooks)) for kind, hooks in zip(_MODULE_HOOKS, _GLOBAL_HOOKS) if hooks]
+    return tuple(entry for entry in found if entry[2])
+
+
+def _user_hooks(hooks: dict) -> tuple[str, ...]:
+    # zerofx's own (the refusal of an eager forward over released parameters) are the same on every call
+    return tuple(f"{getattr(h, '__module__', None)}.{getattr(h, '__qualname__', type(h).__name__)}"
+                 for h in hooks.values() if not (getattr(h, "__module__", None) or "").startswith("zerofx."))
 
 
 def function_values(fn) -> tuple:
@@ -84,6 +106,8 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
         "buffers": tuple((fqn, _tensor_meta(b)) for fqn, b in binding.buffers.items()),
         "training": binding.training_modes(args),
         "attributes": module_attributes(binding, args),
+        "hooks": module_hooks(binding, args),
+        "modules_rebound": (binding.rebinds,),
         "globals": function_values(step_fn),
         "grad_enabled": (torch.is_grad_enabled(),),
     }

@@ -510,7 +510,9 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
         elif kept_shard:
             kept_grads[slot.fqn] = value
         elif slot.role == Role.GRAD_OUT:
-            binding.params[slot.fqn].grad = value
+            # a view of a slot or a bucket: a tensor of its own, as eager's, or a conversion of the model
+            # (model.double() sets .grad.data) would leave the view's base in the old dtype
+            binding.params[slot.fqn].grad = value.detach() if value._is_view() else value
         elif slot.role == Role.NEW_STATE:
             optimizers[slot.optimizer].state[binding.params[slot.fqn]][slot.key] = value
         elif slot.role == Role.NEW_BUFFER:

@@ -49,6 +49,10 @@ class ShardedState:
     _markers: dict[str, weakref.ref] = field(default_factory=dict)  # to the empty tensor of each kept shard's marker
     # each optimizer's parameters (fqns) when the step took its own: one the optimizer takes on later is refused
     optimizer_members: list[frozenset[str]] = field(default_factory=list)
+    # each taken parameter's (storage, version, dtype) in the module as the step last left it: a write since shows
+    module_versions: dict[str, tuple] = field(default_factory=dict)
+    # from stage 1 on: the empty tensor the step left in the optimizer's state for each entry it took
+    released_state: dict[tuple[int, str, str], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
@@ -106,14 +110,44 @@ class ShardedState:
         for fqn in fqns:
             release(binding.params[fqn])
             binding.params[fqn].grad = None
-        released = {id(binding.params[fqn]) for fqn in fqns}
-        for opt in binding.optimizers(args):
+        fqn_of = binding.fqn_of
+        for oi, opt in enumerate(binding.optimizers(args)):
             for p, entries in opt.state.items():
-                if id(p) not in released:
+                if fqn_of.get(id(p)) not in fqns:
                     continue
                 for key, value in entries.items():
                     if isinstance(value, torch.Tensor):
                         entries[key] = torch.empty(0, dtype=value.dtype, device=value.device)
+                        self.released_state[(oi, fqn_of[id(p)], key)] = entries[key]
+
+    def note_module_versions(self, binding: StepBinding) -> None:
+        """After a run: the taken parameters as the step leaves them in the module."""
+        self.module_versions = {fqn: _version(binding.params[fqn]) for fqn in self.layouts}
+
+    def reconcile_writes(self, binding: StepBinding, args: tuple) -> None:
+        """Before a run, what the loop wrote since the last one into what the step took. At stage 0 the module's
+        parameter is the fp32 master under mixed precision: a write to it (``p.copy_(...)``, ``p.data = ...``) is
+        cast again into the copy forward computes with. From stage 1 on the step holds the values, and the module's
+        parameters and the optimizer's state are empty: a write there (weight clipping, ``nn.init``,
+        ``optimizer.load_state_dict``, ``optimizer.state.clear()``) would be lost, and is refused by name."""
+        written = [fqn for fqn, version in self.module_versions.items() if _version(binding.params[fqn]) != version]
+        if self.stage == 0:
+            for fqn in written:
+                self.params[fqn].copy_(local(binding.params[fqn]))
+            return
+        if written:
+            raise CaptureError(
+                f"parameter '{written[0]}' was written or converted after the step took it ({len(written)} such): "
+                f"from stage {self.stage} on the step holds its values, and the module keeps an empty tensor, so the "
+                "write would be lost", hint=_WRITE_THROUGH_THE_STEP)
+        optimizers, params = binding.optimizers(args), binding.params
+        for (oi, fqn, key), empty in self.released_state.items():
+            if optimizers[oi].state.get(params[fqn], {}).get(key) is not empty:
+                raise CaptureError(
+                    f"the state '{key}' of parameter '{fqn}' in optimizer {oi} ({type(optimizers[oi]).__name__}) was "
+                    f"replaced or removed after the step took it (optimizer.load_state_dict, state.clear()): from "
+                    f"stage {self.stage} on the step holds it, and the change would be lost",
+                    hint=_WRITE_THROUGH_THE_STEP)
 
     def stored(self, fqn: str) -> torch.Tensor:
         """Parameter ``fqn`` as the step stores it in its master precision: the fp32 master under mixed precision."""
@@ -328,6 +362,17 @@ def refuse_joining_an_optimizer(state: ShardedState, binding: StepBinding, args:
                 hint="give the optimizer every parameter before the first call (a group with lr=0 holds some "
                      "until their time), or freeze them with requires_grad_(False) until then: the step takes a "
                      "parameter when it is unfrozen")
+
+
+_WRITE_THROUGH_THE_STEP = ("write model and optimizer state through the step: zerofx.load_state_dict(step, sd) with "
+                           "a full state dict (zerofx.full_state_dict(step) gives the current one), or "
+                           "zerofx.checkpoint.load; for weight clipping, clip inside the train step after the update")
+
+
+def _version(p: torch.Tensor) -> tuple:
+    """What changes when a tensor is written in place, given other memory or converted."""
+    t = local(p)
+    return t.data_ptr(), t._version, t.dtype, t.device
 
 
 def refuse_taken(binding: StepBinding) -> None:
