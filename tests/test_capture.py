@@ -1066,6 +1066,10 @@ def _convert_the_model(model, opt):
     model.double()
 
 
+def _load_a_state_dict_into_the_model(model, opt):
+    model.load_state_dict(_bn_regressor_and_sgd()[0].state_dict())  # refused at once, not in torch's shape check
+
+
 def _load_an_eager_optimizers_state(model, opt):
     twin, twin_opt = _bn_regressor_and_sgd()
     regression_step(twin, twin_opt, torch.randn(6, 8), torch.randn(6, 1))
@@ -1081,19 +1085,22 @@ def _clear_the_optimizers_state(model, opt):
                                           (_zero_a_bias, "parameter '0.bias' was written"),
                                           (_assign_new_values, "parameter '0.weight' was written"),
                                           (_convert_the_model, "parameter '0.weight' was written or converted"),
+                                          (_load_a_state_dict_into_the_model, "a state dict is loaded into the model "
+                                                                              "whose parameters a zerofx step took: "
+                                                                              "parameter '0.weight'"),
                                           (_load_an_eager_optimizers_state, "the state 'momentum_buffer' of parameter "
                                                                            "'0.weight' in optimizer 0 .SGD. was"),
                                           (_clear_the_optimizers_state, "the state 'momentum_buffer' of parameter")])
 def test_a_write_between_calls_to_what_the_step_took_is_refused_by_name(stage, write, named):
     """From stage 1 on the module and the optimizer keep empty tensors where the step took the values: a write there
-    (weight clipping, nn.init, new data, the optimizer's state loaded or cleared) did nothing, and training went on
-    as if it had not been made."""
+    (weight clipping, nn.init, new data, a conversion, the optimizer's state loaded or cleared) did nothing, and
+    training went on as if it had not been made; a state dict loaded into the model failed in torch's shape check."""
     model, opt = _bn_regressor_and_sgd()
     step = zerofx.compile(regression_step, stage=stage)
     g = torch.Generator().manual_seed(0)
     step(model, opt, torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g))
-    write(model, opt)
     with pytest.raises(zerofx.CaptureError, match=named):
+        write(model, opt)
         step(model, opt, torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g))
 
 

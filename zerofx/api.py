@@ -21,7 +21,7 @@ from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.passes import PassContext
-from zerofx.sharded_state import ShardedState, refuse_eager_forward, refuse_joining_an_optimizer, refuse_taken
+from zerofx.sharded_state import ShardedState, refuse_eager_use, refuse_joining_an_optimizer, refuse_taken
 from zerofx.state_dict import load_state_dict as load_step_state, state_dict as step_state
 from zerofx.stats import StepStats, measure
 from zerofx.units import UNIT_CAP_BYTES, UnitRule, check_rule, unit_of_params
@@ -320,7 +320,7 @@ class CompiledStep:
         if stage >= 1:
             self._owned_parts = guards.owned_parts(key)  # as they were before the originals were released
             for module in binding.modules(args):
-                refuse_eager_forward(module)
+                refuse_eager_use(module)
 
     def _owned_params(self, binding: StepBinding) -> frozenset[str]:
         """The parameters the step owns once this call has run: those it owns, or on its first call every trainable

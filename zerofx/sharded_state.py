@@ -387,15 +387,26 @@ def refuse_taken(binding: StepBinding) -> None:
                      "re-trace that step), or load zerofx.full_state_dict(that step) into a new model and optimizer")
 
 
-_REFUSES_EAGER_FORWARD = "_zerofx_refuses_eager_forward"  # an attribute of a module `refuse_eager_forward` hooked
+_REFUSES_EAGER_USE = "_zerofx_refuses_eager_use"  # an attribute of a module `refuse_eager_use` hooked
 
 
-def refuse_eager_forward(module: torch.nn.Module) -> None:
-    """From now on, calling ``module`` while one of its parameters is released raises, naming the parameter, instead
-    of failing inside the model on an empty tensor. The step's own traces run it on stand-ins and pass."""
-    if not getattr(module, _REFUSES_EAGER_FORWARD, False):
+def refuse_eager_use(module: torch.nn.Module) -> None:
+    """From now on, calling ``module`` or loading a state dict into it while one of its parameters is released raises,
+    naming the parameter, instead of failing inside the model or in torch's shape check on an empty tensor. The
+    step's own traces run it on stand-ins and pass."""
+    if not getattr(module, _REFUSES_EAGER_USE, False):
         module.register_forward_pre_hook(_refuse_if_released)
-        setattr(module, _REFUSES_EAGER_FORWARD, True)
+        module.register_load_state_dict_pre_hook(_refuse_loading_if_released)
+        setattr(module, _REFUSES_EAGER_USE, True)
+
+
+def _refuse_loading_if_released(module: torch.nn.Module, *_) -> None:
+    fqn = next((name for name, p in module.named_parameters() if released(p)), None)
+    if fqn is not None:
+        raise CaptureError(
+            f"a state dict is loaded into the model whose parameters a zerofx step took: parameter '{fqn}' lives "
+            "with the step from stage 1 on (this rank's shard), and the module's own tensor is empty",
+            source=user_frame(), hint=_WRITE_THROUGH_THE_STEP)
 
 
 def _refuse_if_released(module: torch.nn.Module, _inputs) -> None:
