@@ -238,7 +238,7 @@ class CompiledStep:
         self._last_probe = StepProbe(compiled.gm) if self.config.track_memory else None
         out = runtime.execute(compiled, binding=self._binding, args=args, state=self._owned,
                               probe=self._last_probe, specs=self._specs, tp_rank=self._dp.tp_rank)
-        if self._owned is not None:
+        if self._owned is not None and self._owned.stage == 0:  # its update wrote them; from stage 1 on they are empty
             self._owned.note_module_versions(self._binding)
         return out
 
