@@ -1124,3 +1124,18 @@ def test_a_write_to_a_parameter_between_calls_reaches_the_copy_mixed_precision_c
                                    msg=f"call {i + 1}")
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_torchs_own_module_trackers_around_a_call_do_not_re_trace():
+    """CommDebugMode and FlopCounterMode observe through global module hooks: unlike a user's hook, theirs change no
+    value, and a call they watch runs the graph the call before them traced."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, opt = mlp_and_adamw()
+    step = zerofx.compile(regression_step, stage=0)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    step(model, opt, x, y)
+    with CommDebugMode(), FlopCounterMode(display=False):
+        step(model, opt, x, y)
+    assert step.stats().traces == 1

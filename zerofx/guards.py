@@ -71,9 +71,10 @@ def module_hooks(binding: StepBinding, args: tuple) -> tuple:
 
 
 def _user_hooks(hooks: dict) -> tuple[str, ...]:
-    # zerofx's own (the refusal of an eager forward over released parameters) are the same on every call
+    # zerofx's own (the refusal of an eager forward over released parameters) are the same on every call, and
+    # torch's observe (CommDebugMode's and FlopCounterMode's module trackers around a call)
     return tuple(f"{getattr(h, '__module__', None)}.{getattr(h, '__qualname__', type(h).__name__)}"
-                 for h in hooks.values() if not (getattr(h, "__module__", None) or "").startswith("zerofx."))
+                 for h in hooks.values() if not (getattr(h, "__module__", None) or "").startswith(("zerofx.", "torch.")))
 
 
 def function_values(fn) -> tuple:
