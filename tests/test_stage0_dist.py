@@ -103,3 +103,7 @@ def test_dump_dir_has_one_readable_file_per_pass(ranks2, tmp_path):
 def test_rank_dependent_branch_raises_on_every_rank(ranks2):
     errors = ranks2.run(cases.rank_dependent_branch, timeout=60)
     assert all(e is not None and "captured graph" in e for e in errors)
+
+
+def test_a_head_replaced_between_calls_starts_from_the_first_ranks_values(ranks2):
+    assert ranks2.run(cases.head_replaced_on_every_rank) == [True, True]

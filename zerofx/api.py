@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from zerofx import collectives, guards, optim_support, ranks, runtime
 from zerofx.mesh import DTensorSpecs, mesh_ranks
-from zerofx.binding import StepBinding, refuse_tensor_hooks
+from zerofx.binding import REPLACED_AFTER_TAKEN, StepBinding, refuse_tensor_hooks, same_objects
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision
@@ -145,8 +145,7 @@ def _refuse_replacing_owned(old: StepBinding, new: StepBinding, owned) -> None:
                 f"parameter '{fqn}' of the model is not the one the step took on its first call (it was replaced: a "
                 "new submodule, load_state_dict(assign=True), an assignment): the step owns the parameters it took "
                 "and would go on training those",
-                hint="replace parameters before the first call, or load zerofx.full_state_dict(step) into the model "
-                     "as it is now and compile a new step for it")
+                hint=REPLACED_AFTER_TAKEN)
 
 
 def _refuse_prepared(modules) -> None:
@@ -171,6 +170,7 @@ class CompiledStep:
         self._traces = 0
         self._binding: StepBinding | None = None
         self._binding_ids: tuple = ()
+        self._sync_after_agreement = False  # a parameter was replaced since the last call
         self._args: tuple = ()
         self._owned: ShardedState | None = None
         self._owned_parts: dict | None = None
@@ -261,6 +261,10 @@ class CompiledStep:
         several_ranks = dist.is_initialized() and dist.get_world_size() > 1  # tensor-parallel peers included
         if several_ranks and self.config.verify_ranks:
             self._agree(key, same, carried and self._ran_twice)
+        if self._sync_after_agreement:
+            self._sync_after_agreement = False
+            if several_ranks and self.config.verify_ranks and self._dp.size > 1:  # else a rank alone would wait
+                runtime.sync_module_states(binding, self._dp.group)
         self._ran_twice = same
         built = False
         if same:
@@ -348,7 +352,11 @@ class CompiledStep:
                 return self._binding
             if self._owned is not None:
                 _refuse_replacing_owned(self._binding, rebound, self._owned.layouts)
-            self._binding = rebound  # its count of rebinds in the key re-traces
+                self._owned.module_params = rebound.params  # frozen ones are read from the module
+            rebound.check_optimizers(args)
+            # as DDP built again would: a new parameter starts from the first rank's values, once the ranks agree
+            self._sync_after_agreement = not same_objects(self._binding.params, rebound.params)
+            self._binding = rebound
         else:
             if self._owned is not None:
                 raise RuntimeError("this step owns the sharded state of the model and optimizer it first ran with; "

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 from zerofx import optim_support
 from zerofx.errors import CaptureError
-from zerofx.mesh import local
+from zerofx.mesh import local, released
 from zerofx.mixed_precision import MixedPrecision
 from zerofx.sharding import ParamLayout
 from zerofx.step_graph import Role, Slot
@@ -29,11 +29,14 @@ class StepBinding:
     buffers: dict[str, torch.Tensor]
     buffer_aliases: dict[str, str]
     _submodules: list[list[nn.Module]] | None = None
-    # each buffer's place in its module (its ``_buffers`` dict, its name there): a conversion of the model
-    # (``model.double()``, ``Module._apply``) puts new buffers there without registering them
-    buffer_homes: dict[str, tuple[dict, str]] = field(default_factory=dict)
-    rebinds: int = 0  # how many bindings of the same arguments came before this one (a submodule replaced, ...)
+    # every parameter and buffer name -> its place in its module (the module's ``_parameters`` or ``_buffers`` dict,
+    # its name there) and the tensor found there: a conversion of the model (``model.double()``) and accelerate's
+    # loaders put new tensors there without registering them
+    placements: dict[str, tuple[dict, str, torch.Tensor]] = field(default_factory=dict)
+    submodules_replaced: int = 0  # how often, since the first binding: each makes a new trace
     registrations: int = 0  # `_registrations` when made: a module has registered nothing since while they are equal
+    hooks_seen: tuple = ()  # the module hooks `zerofx.guards.module_hooks` last found, and how often they changed
+    hook_changes: int = 0
     # `zerofx.guards.module_attributes`' cache: each submodule's attribute count, and its plain attributes' names
     plain_attributes: tuple[list[int], list[list[str]]] | None = None
 
@@ -47,7 +50,7 @@ class StepBinding:
                 for fqn, p in self.trainable().items()}
 
     @classmethod
-    def from_args(cls, args: tuple) -> "StepBinding":
+    def from_args(cls, args: tuple, check_optimizers: bool = True) -> "StepBinding":
         _watch_registrations()
         registrations = _registrations
         module_positions = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
@@ -66,43 +69,63 @@ class StepBinding:
         if not optimizer_positions:
             raise CaptureError("no torch.optim.Optimizer among the train step's arguments",
                                hint="call it as step(model, optimizer, *batch)")
-        params, param_aliases, buffers, buffer_aliases, homes = {}, {}, {}, {}, {}
+        params, param_aliases, buffers, buffer_aliases, placements = {}, {}, {}, {}, {}
         for pos in module_positions:
             prefix = _prefix(pos, module_positions)
             _collect(args[pos].named_parameters(remove_duplicate=False), prefix, params, param_aliases)
             _collect(args[pos].named_buffers(remove_duplicate=False), prefix, buffers, buffer_aliases)
             for path, module in args[pos].named_modules(remove_duplicate=False):
                 owner = prefix + (f"{path}." if path else "")
-                homes.update({owner + name: (module._buffers, name) for name in module._buffers})
+                for home in (module._parameters, module._buffers):
+                    placements.update({owner + name: (home, name, t) for name, t in home.items() if t is not None})
         binding = cls(module_positions, optimizer_positions, params, param_aliases, buffers, buffer_aliases,
-                      buffer_homes={fqn: homes[fqn] for fqn in buffers}, registrations=registrations)
-        binding._check_optimizers(args)
+                      placements=placements, registrations=registrations)
+        if check_optimizers:
+            binding.check_optimizers(args)
         return binding
 
     def rebound(self, args: tuple) -> "StepBinding | None":
         """A new binding of ``args`` where one of their modules now holds another parameter, buffer or submodule
         than this binding found (a new head, ``load_state_dict(assign=True)``, a buffer assigned, the model
-        converted); None where nothing changed. Cheap while no module anywhere has registered anything."""
-        if _registrations == self.registrations and all(home.get(name) is self.buffers[fqn]
-                                                        for fqn, (home, name) in self.buffer_homes.items()):
+        converted); None where nothing changed. Cheap while no module anywhere has registered anything. The caller
+        checks the new binding's optimizers (`check_optimizers`): what a step that owns parameters refuses first."""
+        if _registrations == self.registrations and all(home.get(name) is t
+                                                        for home, name, t in self.placements.values()):
             return None
-        fresh = StepBinding.from_args(args)
-        fresh.rebinds = self.rebinds + 1
-        same = (_same_objects(self.params, fresh.params) and _same_objects(self.buffers, fresh.buffers)
-                and self.param_aliases == fresh.param_aliases and self.buffer_aliases == fresh.buffer_aliases
-                and all(map(_same_objects, self.submodules(args), fresh.submodules(args))))
-        if same:
+        fresh = StepBinding.from_args(args, check_optimizers=False)
+        restructured = not (self.param_aliases == fresh.param_aliases and self.buffer_aliases == fresh.buffer_aliases
+                            and all(map(same_objects, self.submodules(args), fresh.submodules(args))))
+        if not restructured and same_objects(self.params, fresh.params) and same_objects(self.buffers,
+                                                                                          fresh.buffers):
             self.registrations = fresh.registrations
             return None
+        # a tensor replaced by one of the same kind is a new input of the same graph; another module a new graph
+        fresh.submodules_replaced = self.submodules_replaced + restructured
+        fresh.hooks_seen, fresh.hook_changes = self.hooks_seen, self.hook_changes
         return fresh
 
-    def _check_optimizers(self, args: tuple) -> None:
+    def set_buffer(self, fqn: str, value: torch.Tensor) -> None:
+        """Put ``value`` in place of buffer ``fqn`` under each of its names (what eager's assignment in forward
+        leaves), without registering it: the step's own write-back is no change to look for."""
+        for alias, canonical in self.buffer_aliases.items():
+            if canonical == fqn:
+                home, name, _ = self.placements[alias]
+                home[name] = value
+                self.placements[alias] = home, name, value
+        self.buffers[fqn] = value
+
+    def check_optimizers(self, args: tuple) -> None:
         known = {id(p) for p in self.params.values()}
         for pos in self.optimizer_positions:
             opt = args[pos]
             optim_support.spec_for(opt)
             for gi, group in enumerate(opt.param_groups):
                 for p in group["params"]:
+                    if id(p) not in known and released(p):
+                        raise CaptureError(
+                            f"param_groups[{gi}] of {type(opt).__name__} (argument {pos}) holds a parameter a zerofx "
+                            "step took that the model no longer holds: it was replaced in the model after the step's "
+                            "first call", hint=REPLACED_AFTER_TAKEN)
                     if id(p) not in known:
                         raise CaptureError(
                             f"optimizer parameter not in the module: param_groups[{gi}] of "
@@ -112,6 +135,12 @@ class StepBinding:
                                  "where the model's parameters were replaced (a new submodule, "
                                  "load_state_dict(assign=True)), make the optimizer over the new ones",
                         )
+
+    def optimizer_state(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, dict]]:
+        """(fqn, parameter, state) of each module parameter ``opt`` holds state for: the state a parameter replaced in
+        the model and in its group leaves behind is never read again."""
+        fqn_of = self.fqn_of
+        return [(fqn_of[id(p)], p, entries) for p, entries in opt.state.items() if id(p) in fqn_of]
 
     @functools.cached_property
     def fqn_of(self) -> dict[int, str]:
@@ -158,11 +187,16 @@ def refuse_tensor_hooks(binding: StepBinding) -> None:
                      "(p.grad.mul_(10), say), and remove the hook")
 
 
+REPLACED_AFTER_TAKEN = ("replace parameters before the first call; to go on with a new part, build a new model and "
+                         "optimizer, load zerofx.full_state_dict(step) into them, replace the part there and compile a "
+                         "new step for them")
+
+
 def _prefix(pos: int, module_positions: list[int]) -> str:
     return "" if len(module_positions) == 1 else f"arg{pos}."
 
 
-def _same_objects(a, b) -> bool:
+def same_objects(a, b) -> bool:
     """Two dicts (or lists) holding the same objects."""
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(a[k] is b[k] for k in a)

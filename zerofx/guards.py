@@ -1,13 +1,12 @@
 """What a captured graph depends on besides its inputs. A change of any of these re-traces (cached per key).
 
 Parameter and buffer shapes, strides, dtypes, devices and ``requires_grad``; which parameters have a ``.grad`` (for a
-step that reads incoming gradients); every module's train/eval mode, plain attributes (numbers, strings, flags:
-a temperature annealed from the loop) and hooks; how often a parameter, buffer or submodule was replaced since the
-first call; the plain values the step function reads from its globals and closure (a
-loss weight on a schedule); the optimizer's type, groups, state layout and
-its hyperparameters that are not graph inputs; the batch's structure, shapes, strides and dtypes and any non-tensor
-argument's value. Of a hyperparameter that is a
-graph input the key holds only the branch torch.optim takes on it (``momentum != 0``), never its value.
+step that reads incoming gradients); every module's train/eval mode, plain attributes (numbers, strings, flags: a
+temperature annealed from the loop) and hooks; how often a submodule was replaced since the first call; the plain
+values the step function reads from its globals and closure (a loss weight on a schedule); the optimizer's type,
+groups, state layout and its hyperparameters that are not graph inputs; the batch's structure, shapes, strides and
+dtypes and any non-tensor argument's value. Of a hyperparameter that is a graph input the key holds only the branch
+torch.optim takes on it (``momentum != 0``), never its value.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from zerofx import optim_support
-from zerofx.binding import StepBinding, present_grads
+from zerofx.binding import StepBinding, present_grads, same_objects
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
@@ -29,11 +28,10 @@ def _tensor_meta(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, "cpu" if t.is_cpu else t.device.type)
 
 
-def _state_part(opt: torch.optim.Optimizer, fqn_of: dict[int, str]) -> tuple:
-    # the state of a parameter the model no longer holds (replaced in the module and the param group) is never read
-    return tuple((fqn_of[id(p)], tuple((k, _tensor_meta(v) if isinstance(v, torch.Tensor) else repr(v))
-                                       for k, v in sorted(s.items())))
-                 for p, s in opt.state.items() if id(p) in fqn_of)
+def _state_part(opt: torch.optim.Optimizer, binding: StepBinding) -> tuple:
+    return tuple((fqn, tuple((k, _tensor_meta(v) if isinstance(v, torch.Tensor) else repr(v))
+                             for k, v in sorted(s.items())))
+                 for fqn, _, s in binding.optimizer_state(opt))
 
 
 _PLAIN = (bool, int, float, str, type(None))  # values a trace reads as constants
@@ -61,20 +59,42 @@ _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, "_global" + kind) for kin
 
 
 def module_hooks(binding: StepBinding, args: tuple) -> tuple:
-    """(submodule, kind, hook names) of every module hook the user registered, and the global ones: the trace runs
-    them, so one added or removed after a call must re-trace. Named, not numbered: hook ids differ between ranks."""
+    """(submodule, kind, hook names) of every module hook the user registered, and the global ones, with how often
+    the hooks found changed since the first call: the trace runs them, so one added, removed or swapped for another
+    of the same name must re-trace. Names and a count, not ids or objects, go in the key: ids differ between ranks."""
+    found = _found_hooks(binding, args)
+    objects = _objects(found)
+    if not same_objects(objects, binding.hooks_seen):
+        binding.hooks_seen, binding.hook_changes = objects, binding.hook_changes + 1
+    return tuple((j, kind, tuple(map(_hook_name, hooks))) for j, kind, hooks in found) + (binding.hook_changes,)
+
+
+def hook_objects(binding: StepBinding, args: tuple) -> tuple:
+    """The user's module hooks on ``args``' modules and the global ones, as objects."""
+    return _objects(_found_hooks(binding, args))
+
+
+def _objects(found: list[tuple[int, str, list]]) -> tuple:
+    return tuple(h for _, _, hooks in found for h in hooks)
+
+
+def _found_hooks(binding: StepBinding, args: tuple) -> list[tuple[int, str, list]]:
     modules = [m for submodules in binding.submodules(args) for m in submodules]
     found = [(j, kind, _user_hooks(getattr(m, kind))) for j, m in enumerate(modules) for kind in _MODULE_HOOKS
              if getattr(m, kind)]
     found += [(-1, kind, _user_hooks(hooks)) for kind, hooks in zip(_MODULE_HOOKS, _GLOBAL_HOOKS) if hooks]
-    return tuple(entry for entry in found if entry[2])
+    return [(j, kind, hooks) for j, kind, hooks in found if hooks]
 
 
-def _user_hooks(hooks: dict) -> tuple[str, ...]:
+def _user_hooks(hooks: dict) -> list:
     # zerofx's own (the refusal of an eager forward over released parameters) are the same on every call, and
     # torch's observe (CommDebugMode's and FlopCounterMode's module trackers around a call)
-    return tuple(f"{getattr(h, '__module__', None)}.{getattr(h, '__qualname__', type(h).__name__)}"
-                 for h in hooks.values() if not (getattr(h, "__module__", None) or "").startswith(("zerofx.", "torch.")))
+    return [h for h in hooks.values() if not (getattr(h, "__module__", None) or "").startswith(("zerofx.", "torch."))]
+
+
+def _hook_name(hook) -> str:
+    hook = getattr(hook, "func", hook)  # a functools.partial
+    return f"{getattr(hook, '__module__', None)}.{getattr(hook, '__qualname__', type(hook).__name__)}"
 
 
 def function_values(fn) -> tuple:
@@ -108,7 +128,7 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
         "training": binding.training_modes(args),
         "attributes": module_attributes(binding, args),
         "hooks": module_hooks(binding, args),
-        "modules_rebound": (binding.rebinds,),
+        "submodules_replaced": (binding.submodules_replaced,),
         "globals": function_values(step_fn),
         "grad_enabled": (torch.is_grad_enabled(),),
     }
@@ -134,7 +154,7 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
             groups.append(tuple(guarded))
         key[f"optimizer{oi}"] = (type(opt).__name__, tuple(groups))
         state_part = f"optimizer{oi}_state"
-        key[state_part] = owned_parts[state_part] if state_part in owned_parts else _state_part(opt, fqn_of)
+        key[state_part] = owned_parts[state_part] if state_part in owned_parts else _state_part(opt, binding)
     leaves, spec = pytree.tree_flatten(binding.batch(args))
     # requires_grad: backward leaves a gradient in such an input's .grad
     key["batch"] = (str(spec),) + tuple((*_tensor_meta(x), x.requires_grad) if isinstance(x, torch.Tensor) else repr(x)

@@ -81,12 +81,11 @@ class DTensorSpecs:
                                        f"'tp' dimension ({tp}): zerofx shards over 'dp' itself",
                                        hint="apply parallelize_module over mesh['tp'] only, and no fully_shard")
                 self.params[fqn] = p._spec
-        fqn_of = binding.fqn_of
         for oi, opt in enumerate(binding.optimizers(args)):
-            for p, entries in opt.state.items():
+            for fqn, _, entries in binding.optimizer_state(opt):
                 for key, value in entries.items():
                     if isinstance(value, DTensor):
-                        self.states.setdefault((oi, fqn_of[id(p)], key), value._spec)
+                        self.states.setdefault((oi, fqn, key), value._spec)
 
     def of(self, slot: Slot):
         """The spec of the DTensor graph input ``slot`` stands for; None for a plain tensor."""

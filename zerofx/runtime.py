@@ -510,13 +510,13 @@ def execute(compiled: CompiledGraph, binding: StepBinding, args: tuple, state: S
         elif kept_shard:
             kept_grads[slot.fqn] = value
         elif slot.role == Role.GRAD_OUT:
-            # a view of a slot or a bucket: a tensor of its own, as eager's, or a conversion of the model
-            # (model.double() sets .grad.data) would leave the view's base in the old dtype
+            # not a view of a slot or a bucket (it keeps sharing their memory), as eager's is not: a conversion of
+            # the model (model.double() sets .grad.data) would leave the view's base in the old dtype
             binding.params[slot.fqn].grad = value.detach() if value._is_view() else value
         elif slot.role == Role.NEW_STATE:
             optimizers[slot.optimizer].state[binding.params[slot.fqn]][slot.key] = value
         elif slot.role == Role.NEW_BUFFER:
-            _set_buffer(binding, args, slot.fqn, value)
+            binding.set_buffer(slot.fqn, value)
         elif slot.role == Role.BATCH_GRAD:  # added in place to one left there before, as backward adds
             leaf = pytree.tree_leaves(binding.batch(args))[int(slot.key)]
             if leaf.grad is None:
@@ -562,16 +562,6 @@ def _move_read_grads_out_of_arena(binding: StepBinding, compiled: CompiledGraph,
     for p in in_arena:
         if arena.holds(local(p.grad)):
             p.grad = p.grad.clone()
-
-
-def _set_buffer(binding: StepBinding, args: tuple, fqn: str, value: torch.Tensor) -> None:
-    for module in binding.modules(args):
-        for name, buf in module.named_buffers(remove_duplicate=False):
-            if binding.buffer_aliases.get(name) == fqn:
-                owner_name, _, leaf = name.rpartition(".")
-                owner = module.get_submodule(owner_name) if owner_name else module
-                setattr(owner, leaf, value)
-                binding.buffers[fqn] = value
 
 
 def sync_module_states(binding: StepBinding, group: dist.ProcessGroup | None = None) -> None:

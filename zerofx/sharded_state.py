@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from zerofx.binding import StepBinding
+from zerofx.binding import REPLACED_AFTER_TAKEN, StepBinding
 from zerofx.errors import CaptureError, user_frame
 from zerofx.mesh import local, release, released
 from zerofx.mixed_precision import MixedPrecision
@@ -51,8 +51,8 @@ class ShardedState:
     optimizer_members: list[frozenset[str]] = field(default_factory=list)
     # each taken parameter's (storage, version, dtype) in the module as the step last left it: a write since shows
     module_versions: dict[str, tuple] = field(default_factory=dict)
-    # from stage 1 on: the empty tensor the step left in the optimizer's state for each entry it took
-    released_state: dict[tuple[int, str, str], torch.Tensor] = field(default_factory=dict)
+    # from stage 1 on: the empty tensor the step left in the optimizer's state for each entry it took, and its version
+    released_state: dict[tuple[int, str, str], tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
@@ -88,10 +88,8 @@ class ShardedState:
                 self.params[fqn] = layout.shard_of(compute, self.rank)
         if self.stage == 0 or not new:
             return bool(new)
-        fqn_of = binding.fqn_of
         for oi, opt in enumerate(binding.optimizers(args)):
-            for p, entries in opt.state.items():
-                fqn = fqn_of[id(p)]
+            for fqn, _, entries in binding.optimizer_state(opt):
                 if fqn not in new:
                     continue
                 for key, value in entries.items():
@@ -110,15 +108,14 @@ class ShardedState:
         for fqn in fqns:
             release(binding.params[fqn])
             binding.params[fqn].grad = None
-        fqn_of = binding.fqn_of
         for oi, opt in enumerate(binding.optimizers(args)):
-            for p, entries in opt.state.items():
-                if fqn_of.get(id(p)) not in fqns:
+            for fqn, _, entries in binding.optimizer_state(opt):
+                if fqn not in fqns:
                     continue
                 for key, value in entries.items():
                     if isinstance(value, torch.Tensor):
                         entries[key] = torch.empty(0, dtype=value.dtype, device=value.device)
-                        self.released_state[(oi, fqn_of[id(p)], key)] = entries[key]
+                        self.released_state[(oi, fqn, key)] = entries[key], entries[key]._version
 
     def note_module_versions(self, binding: StepBinding) -> None:
         """After a run: the taken parameters as the step leaves them in the module."""
@@ -133,7 +130,12 @@ class ShardedState:
         written = [fqn for fqn, version in self.module_versions.items() if _version(binding.params[fqn]) != version]
         if self.stage == 0:
             for fqn in written:
-                self.params[fqn].copy_(local(binding.params[fqn]))
+                new = local(binding.params[fqn])
+                if new.shape != self.params[fqn].shape:
+                    raise CaptureError(f"parameter '{fqn}' was given data of another shape ({tuple(new.shape)}, not "
+                                       f"{tuple(self.params[fqn].shape)}) after the step took it",
+                                       hint=REPLACED_AFTER_TAKEN)
+                self.params[fqn].copy_(new)
             return
         if written:
             raise CaptureError(
@@ -141,11 +143,13 @@ class ShardedState:
                 f"from stage {self.stage} on the step holds its values, and the module keeps an empty tensor, so the "
                 "write would be lost", hint=_WRITE_THROUGH_THE_STEP)
         optimizers, params = binding.optimizers(args), binding.params
-        for (oi, fqn, key), empty in self.released_state.items():
-            if optimizers[oi].state.get(params[fqn], {}).get(key) is not empty:
+        for (oi, fqn, key), (empty, version) in self.released_state.items():
+            entry = optimizers[oi].state.get(params[fqn], {}).get(key)
+            if entry is not empty or entry._version != version:
                 raise CaptureError(
                     f"the state '{key}' of parameter '{fqn}' in optimizer {oi} ({type(optimizers[oi]).__name__}) was "
-                    f"replaced or removed after the step took it (optimizer.load_state_dict, state.clear()): from "
+                    f"written, replaced or removed after the step took it (optimizer.load_state_dict, "
+                    f"state.clear(), exp_avg.zero_()): from "
                     f"stage {self.stage} on the step holds it, and the change would be lost",
                     hint=_WRITE_THROUGH_THE_STEP)
 
@@ -370,9 +374,10 @@ _WRITE_THROUGH_THE_STEP = ("write model and optimizer state through the step: ze
 
 
 def _version(p: torch.Tensor) -> tuple:
-    """What changes when a tensor is written in place, given other memory or converted."""
+    """What changes when a tensor is written in place, given other memory or converted (another device is other
+    memory)."""
     t = local(p)
-    return t.data_ptr(), t._version, t.dtype, t.device
+    return t.data_ptr(), t._version, t.dtype
 
 
 def refuse_taken(binding: StepBinding) -> None:

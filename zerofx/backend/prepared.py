@@ -259,13 +259,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int = 
                         "path updates the shards through it; for several optimizers use zerofx.compile, whose train "
                         "step takes each")
     _check_mixed_precision(model, mixed_precision, stage)
-    if stage >= 1 or mixed_precision is not None:
-        _refuse_trainable_outside(model, optimizer)
     if mesh is not None:
         raise NotImplementedError("zerofx.prepare: mesh= is not supported by the backend path yet; use "
                                   "zerofx.compile for tensor parallelism")
     if model in _PREPARED:
         raise ValueError("zerofx.prepare: this model was prepared already")
+    if stage >= 1 or mixed_precision is not None:
+        _refuse_trainable_outside(model, optimizer)
     prepared = Prepared(model, optimizer, Config(stage=stage, mixed_precision=mixed_precision, mesh=mesh))
     optim_support.init_lazy_state(optimizer)
     if prepared.ranks.size > 1:
