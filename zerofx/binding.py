@@ -207,6 +207,8 @@ _registrations = 0  # parameters, buffers and submodules any module has register
 
 
 def _count_registration(*_) -> None:
+    if torch.compiler.is_compiling():  # Dynamo inlines a module's setattr: a count it read would be a guard
+        return
     global _registrations
     _registrations += 1
 
