@@ -135,20 +135,3 @@ def carried_agreement(rank, world_size, last_batch, precision="fp32"):
             "carried": "check_carried_agreement" in step.graph().code,
             **_mismatched_step(step, model, opt, token_batch(9, rank, batch=last_batch(rank)), world_size)}
 
-
-def head_replaced_on_every_rank(rank, world_size):
-    """Each rank replaces the head with one of its own initialisation (no shared seed) between calls: the step
-    starts the new head from the first rank's values, as DDP built anew would, and the ranks stay in step."""
-    from models import bn_and_sgd, bn_batch
-
-    model, opt = bn_and_sgd()
-    step = zerofx.compile(train_step, stage=0)
-    step(model, opt, *bn_batch(0, rank))
-    torch.manual_seed(100 + rank)
-    model.fc2 = torch.nn.Linear(16, 3)
-    opt.param_groups[0]["params"] = list(model.parameters())
-    for i in (1, 2):
-        step(model, opt, *bn_batch(i, rank))
-    weights = [torch.empty_like(model.fc2.weight) for _ in range(world_size)]
-    dist.all_gather(weights, model.fc2.weight.detach())
-    return all(torch.equal(w, weights[0]) for w in weights)

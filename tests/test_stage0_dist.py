@@ -104,6 +104,3 @@ def test_rank_dependent_branch_raises_on_every_rank(ranks2):
     errors = ranks2.run(cases.rank_dependent_branch, timeout=60)
     assert all(e is not None and "captured graph" in e for e in errors)
 
-
-def test_a_head_replaced_between_calls_starts_from_the_first_ranks_values(ranks2):
-    assert ranks2.run(cases.head_replaced_on_every_rank) == [True, True]

@@ -15,8 +15,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from zerofx import collectives, guards, optim_support, ranks, runtime
-from zerofx.mesh import DTensorSpecs, mesh_ranks
-from zerofx.binding import REPLACED_AFTER_TAKEN, StepBinding, refuse_tensor_hooks, same_objects
+from zerofx.mesh import DTensorSpecs, local, mesh_ranks
+from zerofx.binding import REPLACED_AFTER_TAKEN, StepBinding, refuse_tensor_hooks
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision
@@ -170,7 +170,6 @@ class CompiledStep:
         self._traces = 0
         self._binding: StepBinding | None = None
         self._binding_ids: tuple = ()
-        self._sync_after_agreement = False  # a parameter was replaced since the last call
         self._args: tuple = ()
         self._owned: ShardedState | None = None
         self._owned_parts: dict | None = None
@@ -261,10 +260,6 @@ class CompiledStep:
         several_ranks = dist.is_initialized() and dist.get_world_size() > 1  # tensor-parallel peers included
         if several_ranks and self.config.verify_ranks:
             self._agree(key, same, carried and self._ran_twice)
-        if self._sync_after_agreement:
-            self._sync_after_agreement = False
-            if several_ranks and self.config.verify_ranks and self._dp.size > 1:  # else a rank alone would wait
-                runtime.sync_module_states(binding, self._dp.group)
         self._ran_twice = same
         built = False
         if same:
@@ -352,10 +347,12 @@ class CompiledStep:
                 return self._binding
             if self._owned is not None:
                 _refuse_replacing_owned(self._binding, rebound, self._owned.layouts)
-                self._owned.module_params = rebound.params  # frozen ones are read from the module
             rebound.check_optimizers(args)
-            # as DDP built again would: a new parameter starts from the first rank's values, once the ranks agree
-            self._sync_after_agreement = not same_objects(self._binding.params, rebound.params)
+            if self._owned is not None:
+                self._owned.module_params = rebound.params  # frozen ones are read from the module
+            for p in set(self._binding.params.values()) - set(rebound.params.values()):
+                if p.grad is not None and self._arena.holds(local(p.grad)):  # the replaced one keeps its gradient,
+                    p.grad = p.grad.clone()                                  # not the whole arena
             self._binding = rebound
         else:
             if self._owned is not None:

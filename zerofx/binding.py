@@ -33,10 +33,13 @@ class StepBinding:
     # its name there) and the tensor found there: a conversion of the model (``model.double()``) and accelerate's
     # loaders put new tensors there without registering them
     placements: dict[str, tuple[dict, str, torch.Tensor]] = field(default_factory=dict)
-    submodules_replaced: int = 0  # how often, since the first binding: each makes a new trace
+    # how often, since the first binding, a submodule was replaced or a parameter or buffer name came or went: each
+    # makes a new trace
+    structure_changes: int = 0
     registrations: int = 0  # `_registrations` when made: a module has registered nothing since while they are equal
-    hooks_seen: tuple = ()  # the module hooks `zerofx.guards.module_hooks` last found, and how often they changed
-    hook_changes: int = 0
+    # every module hook the guard key has met, in the order met; held, so that no other object takes its id (a
+    # removed hook, and what it holds, live as long as the step)
+    hooks_met: list = field(default_factory=list)
     # `zerofx.guards.module_attributes`' cache: each submodule's attribute count, and its plain attributes' names
     plain_attributes: tuple[list[int], list[list[str]]] | None = None
 
@@ -94,15 +97,23 @@ class StepBinding:
             return None
         fresh = StepBinding.from_args(args, check_optimizers=False)
         restructured = not (self.param_aliases == fresh.param_aliases and self.buffer_aliases == fresh.buffer_aliases
-                            and all(map(same_objects, self.submodules(args), fresh.submodules(args))))
-        if not restructured and same_objects(self.params, fresh.params) and same_objects(self.buffers,
+                            and all(map(_same_objects, self.submodules(args), fresh.submodules(args))))
+        if not restructured and _same_objects(self.params, fresh.params) and _same_objects(self.buffers,
                                                                                           fresh.buffers):
             self.registrations = fresh.registrations
             return None
         # a tensor replaced by one of the same kind is a new input of the same graph; another module a new graph
-        fresh.submodules_replaced = self.submodules_replaced + restructured
-        fresh.hooks_seen, fresh.hook_changes = self.hooks_seen, self.hook_changes
+        fresh.structure_changes = self.structure_changes + restructured
+        fresh.hooks_met = self.hooks_met
         return fresh
+
+    def hook_number(self, hook) -> int:
+        """The order in which the guard key first met ``hook``: the same on every rank that registers the same."""
+        number = next((i for i, h in enumerate(self.hooks_met) if h is hook), None)
+        if number is None:
+            number = len(self.hooks_met)
+            self.hooks_met.append(hook)
+        return number
 
     def set_buffer(self, fqn: str, value: torch.Tensor) -> None:
         """Put ``value`` in place of buffer ``fqn`` under each of its names (what eager's assignment in forward
@@ -136,11 +147,11 @@ class StepBinding:
                                  "load_state_dict(assign=True)), make the optimizer over the new ones",
                         )
 
-    def optimizer_state(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, dict]]:
-        """(fqn, parameter, state) of each module parameter ``opt`` holds state for: the state a parameter replaced in
-        the model and in its group leaves behind is never read again."""
+    def optimizer_state(self, opt: torch.optim.Optimizer) -> list[tuple[str, dict]]:
+        """(fqn, state) of each module parameter ``opt`` holds state for: the state a parameter replaced in the model
+        and in its group leaves behind is never read again."""
         fqn_of = self.fqn_of
-        return [(fqn_of[id(p)], p, entries) for p, entries in opt.state.items() if id(p) in fqn_of]
+        return [(fqn_of[id(p)], entries) for p, entries in opt.state.items() if id(p) in fqn_of]
 
     @functools.cached_property
     def fqn_of(self) -> dict[int, str]:
@@ -196,7 +207,7 @@ def _prefix(pos: int, module_positions: list[int]) -> str:
     return "" if len(module_positions) == 1 else f"arg{pos}."
 
 
-def same_objects(a, b) -> bool:
+def _same_objects(a, b) -> bool:
     """Two dicts (or lists) holding the same objects."""
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
@@ -207,7 +218,9 @@ _registrations = 0  # parameters, buffers and submodules any module has register
 
 
 def _count_registration(*_) -> None:
-    if torch.compiler.is_compiling():  # Dynamo inlines a module's setattr: a count it read would be a guard
+    # Dynamo inlines a module's setattr, and a count it read would be a guard: one made inside a torch.compile'd
+    # region goes uncounted (a tensor it puts under a known name is still found by its placement)
+    if torch.compiler.is_compiling():
         return
     global _registrations
     _registrations += 1

@@ -34,8 +34,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils import stateless
 
 from zerofx import guards, optim_support
-from zerofx.binding import (StepBinding, hyperparam_traced_as_tensor, input_slots, input_values, present_grads,
-                            same_objects)
+from zerofx.binding import StepBinding, hyperparam_traced_as_tensor, input_slots, input_values, present_grads
 from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
 from zerofx.fake_kernels import cpu_dtypes_for_grouped_mm
 from zerofx.mesh import DTensorSpecs, local, rebuild
@@ -278,13 +277,14 @@ def _inside_grad_scaler(tb) -> bool:
 
 def _refuse_python_side_effects(before: tuple, binding: StepBinding, args: tuple, train_step: Callable) -> None:
     """A plain value the step changes in Python (a counter in ``forward``, a global it assigns) or a module hook it
-    registers or removes would change only when it traces, not on the calls that run the graph: refused, naming
-    it (a hook registered in the step re-traced on every call, piling up)."""
+    registers would change only when it traces, not on the calls that run the graph: refused, naming it (a hook
+    registered in the step re-traced on every call, piling up)."""
     attributes, values = ({value[:-1]: value[-1] for value in part} for part in before[:2])
-    if not same_objects(before[2], guards.hook_objects(binding, args)):
-        raise CaptureError("the step registers or removes a module hook in Python: a compiled step runs its Python "
-                           "only when it traces, so each call would find the hooks changed and trace again",
-                           hint="register hooks before the first call, outside the step")
+    added = [h for h in guards.hook_objects(binding, args) if not any(h is b for b in before[2])]
+    if added:  # one that removes itself as it runs is gone at the next call, which traces once more
+        raise CaptureError(f"the step registers a module hook in Python ({guards.hook_name(added[0])}): a compiled "
+                           "step runs its Python only when it traces, so each call would find one more hook and "
+                           "trace again", hint="register hooks before the first call, outside the step")
     for (j, name), new in {a[:-1]: a[-1] for a in guards.module_attributes(binding, args)}.items():
         if attributes.get((j, name), "unset") != new:
             paths = [f"arg{pos}.{n}" if len(binding.module_positions) > 1 else n

@@ -2,7 +2,7 @@
 
 Parameter and buffer shapes, strides, dtypes, devices and ``requires_grad``; which parameters have a ``.grad`` (for a
 step that reads incoming gradients); every module's train/eval mode, plain attributes (numbers, strings, flags: a
-temperature annealed from the loop) and hooks; how often a submodule was replaced since the first call; the plain
+temperature annealed from the loop) and hooks; how often a submodule or a name changed since the first call; the plain
 values the step function reads from its globals and closure (a loss weight on a schedule); the optimizer's type,
 groups, state layout and its hyperparameters that are not graph inputs; the batch's structure, shapes, strides and
 dtypes and any non-tensor argument's value. Of a hyperparameter that is a graph input the key holds only the branch
@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from zerofx import optim_support
-from zerofx.binding import StepBinding, present_grads, same_objects
+from zerofx.binding import StepBinding, present_grads
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
@@ -29,9 +29,10 @@ def _tensor_meta(t: torch.Tensor) -> tuple:
 
 
 def _state_part(opt: torch.optim.Optimizer, binding: StepBinding) -> tuple:
-    return tuple((fqn, tuple((k, _tensor_meta(v) if isinstance(v, torch.Tensor) else repr(v))
-                             for k, v in sorted(s.items())))
-                 for fqn, _, s in binding.optimizer_state(opt))
+    # by name: a parameter replaced by one of its kind has its state made anew, last in the optimizer's order
+    return tuple(sorted((fqn, tuple((k, _tensor_meta(v) if isinstance(v, torch.Tensor) else repr(v))
+                                    for k, v in sorted(s.items())))
+                        for fqn, s in binding.optimizer_state(opt)))
 
 
 _PLAIN = (bool, int, float, str, type(None))  # values a trace reads as constants
@@ -59,23 +60,17 @@ _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, "_global" + kind) for kin
 
 
 def module_hooks(binding: StepBinding, args: tuple) -> tuple:
-    """(submodule, kind, hook names) of every module hook the user registered, and the global ones, with how often
-    the hooks found changed since the first call: the trace runs them, so one added, removed or swapped for another
-    of the same name must re-trace. Names and a count, not ids or objects, go in the key: ids differ between ranks."""
-    found = _found_hooks(binding, args)
-    objects = _objects(found)
-    if not same_objects(objects, binding.hooks_seen):
-        binding.hooks_seen, binding.hook_changes = objects, binding.hook_changes + 1
-    return tuple((j, kind, tuple(map(_hook_name, hooks))) for j, kind, hooks in found) + (binding.hook_changes,)
+    """(submodule, kind, hooks) of every module hook the user registered, and the global ones: the trace runs them,
+    so one added, removed or swapped for another of the same name must re-trace. Each hook goes in the key by name
+    and by the order in which the binding first met it (`StepBinding.hook_number`), not by id, which differs between
+    ranks; a set of hooks met before finds its graph again."""
+    return tuple((j, kind, tuple((hook_name(h), binding.hook_number(h)) for h in hooks))
+                 for j, kind, hooks in _found_hooks(binding, args))
 
 
-def hook_objects(binding: StepBinding, args: tuple) -> tuple:
+def hook_objects(binding: StepBinding, args: tuple) -> list:
     """The user's module hooks on ``args``' modules and the global ones, as objects."""
-    return _objects(_found_hooks(binding, args))
-
-
-def _objects(found: list[tuple[int, str, list]]) -> tuple:
-    return tuple(h for _, _, hooks in found for h in hooks)
+    return [h for _, _, hooks in _found_hooks(binding, args) for h in hooks]
 
 
 def _found_hooks(binding: StepBinding, args: tuple) -> list[tuple[int, str, list]]:
@@ -92,7 +87,7 @@ def _user_hooks(hooks: dict) -> list:
     return [h for h in hooks.values() if not (getattr(h, "__module__", None) or "").startswith(("zerofx.", "torch."))]
 
 
-def _hook_name(hook) -> str:
+def hook_name(hook) -> str:
     hook = getattr(hook, "func", hook)  # a functools.partial
     return f"{getattr(hook, '__module__', None)}.{getattr(hook, '__qualname__', type(hook).__name__)}"
 
@@ -128,7 +123,7 @@ def step_key(binding: StepBinding, args: tuple, owned_parts: dict[str, tuple] | 
         "training": binding.training_modes(args),
         "attributes": module_attributes(binding, args),
         "hooks": module_hooks(binding, args),
-        "submodules_replaced": (binding.submodules_replaced,),
+        "structure_changes": (binding.structure_changes,),
         "globals": function_values(step_fn),
         "grad_enabled": (torch.is_grad_enabled(),),
     }

@@ -82,7 +82,7 @@ class DTensorSpecs:
                                        hint="apply parallelize_module over mesh['tp'] only, and no fully_shard")
                 self.params[fqn] = p._spec
         for oi, opt in enumerate(binding.optimizers(args)):
-            for fqn, _, entries in binding.optimizer_state(opt):
+            for fqn, entries in binding.optimizer_state(opt):
                 for key, value in entries.items():
                     if isinstance(value, DTensor):
                         self.states.setdefault((oi, fqn, key), value._spec)

@@ -89,7 +89,7 @@ class ShardedState:
         if self.stage == 0 or not new:
             return bool(new)
         for oi, opt in enumerate(binding.optimizers(args)):
-            for fqn, _, entries in binding.optimizer_state(opt):
+            for fqn, entries in binding.optimizer_state(opt):
                 if fqn not in new:
                     continue
                 for key, value in entries.items():
@@ -109,7 +109,7 @@ class ShardedState:
             release(binding.params[fqn])
             binding.params[fqn].grad = None
         for oi, opt in enumerate(binding.optimizers(args)):
-            for fqn, _, entries in binding.optimizer_state(opt):
+            for fqn, entries in binding.optimizer_state(opt):
                 if fqn not in fqns:
                     continue
                 for key, value in entries.items():

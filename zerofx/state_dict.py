@@ -115,7 +115,7 @@ def _assemble(step, params: dict, state_value, loss_scale: dict | None, buffers:
     optimizers = []
     for oi, opt in enumerate(binding.optimizers(args)):
         state = {}
-        for fqn, _, entries in binding.optimizer_state(opt):
+        for fqn, entries in binding.optimizer_state(opt):
             state[fqn] = {key: state_value(oi, fqn, key, value) for key, value in entries.items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(p)] for p in g["params"]]}
                   for g in opt.param_groups]
@@ -275,7 +275,7 @@ def _load_param(fqn, value, binding, owned) -> None:
 
 
 def _load_optimizer(oi, opt, saved: dict, binding, owned) -> None:
-    for fqn, _, entries in binding.optimizer_state(opt):
+    for fqn, entries in binding.optimizer_state(opt):
         for key, current in entries.items():
             value = saved["state"][fqn][key]
             name = f"optimizer.state.{fqn}.{key}"
