@@ -90,8 +90,9 @@ class StepBinding:
     def rebound(self, args: tuple) -> "StepBinding | None":
         """A new binding of ``args`` where one of their modules now holds another parameter, buffer or submodule
         than this binding found (a new head, ``load_state_dict(assign=True)``, a buffer assigned, the model
-        converted); None where nothing changed. Cheap while no module anywhere has registered anything. The caller
-        checks the new binding's optimizers (`check_optimizers`): what a step that owns parameters refuses first."""
+        converted); None where nothing changed. While no module anywhere has registered anything, it costs an identity
+        test per parameter and buffer. The caller checks the new binding's optimizers (`check_optimizers`) after what a
+        step that owns parameters refuses first."""
         if _registrations == self.registrations and all(home.get(name) is t
                                                         for home, name, t in self.placements.values()):
             return None
