@@ -219,6 +219,71 @@ def test_a_number_only_python_reads_is_refused_at_every_stage_and_precision(stag
     assert "_LOGGED.append(loss.item())" in info.value.source
 
 
+class _PackedLSTM(torch.nn.Module):
+    def __init__(self, sparse_embedding: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(65, 8, sparse=sparse_embedding)
+        self.rnn, self.head = torch.nn.LSTM(8, 16, batch_first=True), torch.nn.Linear(16, 65)
+
+    def forward(self, x, y):
+        if self.embed.sparse:
+            out, _ = self.rnn(self.embed(x))
+        else:
+            packed = torch.nn.utils.rnn.pack_padded_sequence(self.embed(x), torch.tensor([16, 9, 5, 2]), True)
+            out, _ = self.rnn(packed)  # packs by lengths
+            out, _ = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        return torch.nn.functional.cross_entropy(self.head(out.mean(1)), y[:, 0])
+
+
+@pytest.mark.parametrize("stage, precision", [(0, None), (1, None), (2, torch.bfloat16), (3, None)])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_packed_sequence_and_a_sparse_gradient_are_refused_naming_line_and_parameter(stage, precision, sparse):
+    """Eagerly an LSTM reads a packed sequence's batch sizes as numbers (torch then fails on the traced tensor,
+    naming no line), and a sparse embedding leaves a sparse gradient (the passes then failed, naming their own
+    code)."""
+    torch.manual_seed(0)
+    model = _PackedLSTM(sparse_embedding=sparse)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mixed = zerofx.MixedPrecision(precision) if precision else None
+    with pytest.raises(zerofx.CaptureError) as info:
+        zerofx.compile(train_step, stage=stage, mixed_precision=mixed)(model, opt, *token_batch(0, 0))
+    if sparse:
+        assert "gradient of parameter 'embed.weight' is sparse" in str(info.value)
+        assert "sparse=False" in info.value.hint
+    else:
+        assert "tensor's value used as a Python number" in str(info.value)
+        assert "test_capture.py" in info.value.source and "packs by lengths" in info.value.source
+        assert "packed sequence's batch sizes" in info.value.hint
+
+
+class _CenteredByABuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+        self.register_buffer("center", torch.zeros(16))
+
+    def forward(self, x):
+        return self.b(self.a(x) - self.center)  # a float32 buffer: float32 meets the bf16 weight
+
+
+@pytest.mark.parametrize("stage, precision", [(0, torch.bfloat16), (1, torch.float16), (3, torch.bfloat16), (2, None)])
+def test_an_op_meeting_two_dtypes_is_refused_naming_the_line_and_under_mixed_precision_the_buffers(stage, precision):
+    """The fake kernels let a matmul of two dtypes through, and the graph failed as it first ran, naming no line (FSDP2
+    fails the same way under its policy). In fp32 the buffer is float64: eagerly the same error."""
+    model, opt = _seeded_with_adamw(_CenteredByABuffer)
+    if precision is None:
+        model.center = model.center.double()
+    mixed = zerofx.MixedPrecision(precision) if precision else None
+    step = zerofx.compile(_scaled_regression_step, stage=stage, mixed_precision=mixed)
+    with pytest.raises(zerofx.CaptureError, match=r"different dtypes \(aten.addmm.default on torch.\w+ and") as info:
+        step(model, opt, torch.randn(4, 8), torch.randn(4, 1))
+    assert "float32 meets the bf16 weight" in info.value.source
+    if precision:
+        assert "under mixed_precision" in str(info.value) and "'center' (torch.float32)" in info.value.hint
+    else:
+        assert "torch.float32 and torch.float64" in str(info.value)
+
+
 def test_unsupported_optimizer_raises_capture_error():
     model, _ = gpt_and_adamw()
     # RAdam branches in Python on its step count, a tensor the graph reads

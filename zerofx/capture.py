@@ -231,6 +231,10 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             source=source,
             hint="compute both branches with torch.where, or move the decision out of the train step",
         ) from None
+    except TypeError as e:
+        if "FakeTensor" not in str(e):
+            raise
+        raise _tensor_as_python_number(e) from None
     except DynamicOutputShapeException as e:
         raise CaptureError(
             f"an op whose output shape depends on tensor values ({e.args[0] if e.args else 'data-dependent'})",
@@ -242,6 +246,8 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     recorder.tag_rest(gm.graph)
     for node, slot in recorder.grad_nodes:
         node.meta[TAG].slots.append(slot)
+    _refuse_sparse_tensors(gm.graph)
+    _refuse_ops_mixing_dtypes(gm.graph, binding, mixed)
     _out_arguments_as_copies(gm.graph)
     _tag_placeholders(gm.graph, slots)
     _check_param_mutations(gm.graph)
@@ -469,6 +475,65 @@ def _refuse_numbers_read_into_python(graph: fx.Graph) -> None:
                 "gets a symbol, once, not the number on every call",
                 source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
                 hint="return the tensor (the loss, or a dict of what to log) and read .item() after the step")
+
+
+def _tensor_as_python_number(e: TypeError) -> CaptureError:
+    """torch refused a traced tensor where its signature wants Python numbers (a size, a list of ints): eagerly the
+    tensor's value would be read there."""
+    through_rnn = any(frame.f_code.co_filename.endswith(os.path.join("nn", "modules", "rnn.py"))
+                      for frame, _ in traceback.walk_tb(e.__traceback__))
+    hint = ("a packed sequence's batch sizes are tensor values: run the RNN on the padded batch and mask the padded "
+            "positions" if through_rnn else
+            "compute the number from tensor shapes or pass it to the step as a Python int")
+    return CaptureError(f"a tensor's value used as a Python number while the step traces ({e}): the trace has no "
+                        "value there, and the graph would fix one size for every call",
+                        source=user_frame(e.__traceback__), hint=hint)
+
+
+# ops torch refuses eagerly when their floating inputs differ in dtype, which fake kernels let through
+_SAME_DTYPE_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "dot", "vdot", "convolution"))
+
+
+def _refuse_ops_mixing_dtypes(graph: fx.Graph, binding: StepBinding, mixed: MixedPrecision | None) -> None:
+    """No op of `_SAME_DTYPE_OPS` meets floating inputs of two dtypes (the graph would fail as it first ran, naming
+    no line). Under mixed precision the parameters compute in ``param_dtype`` while buffers keep theirs (as under
+    FSDP2's policy): the hint names the buffers that may have brought in the other."""
+    for node in graph.nodes:
+        if node.target not in _SAME_DTYPE_OPS:
+            continue
+        dtypes = {a.meta["val"].dtype for a in node.all_input_nodes
+                  if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point()}
+        if len(dtypes) < 2:
+            continue
+        what = f"an op meets tensors of different dtypes ({node.target} on {' and '.join(sorted(map(str, dtypes)))})"
+        source = user_frame_from_stack_trace(node.meta.get("stack_trace"))
+        if mixed is None:
+            raise CaptureError(what, source=source)
+        others = [f"'{fqn}' ({b.dtype})" for fqn, b in binding.buffers.items()
+                  if b.is_floating_point() and b.dtype != mixed.param_dtype]
+        held = f"; the step's floating buffers not in {mixed.param_dtype}: {', '.join(others[:4])}" if others else ""
+        raise CaptureError(
+            f"{what} under mixed_precision", source=source,
+            hint=f"parameters compute in {mixed.param_dtype} while buffers keep their dtype, as under FSDP2's "
+                 f"policy{held}: cast a buffer where forward reads it (buf.to(x.dtype)), or compile without "
+                 "mixed_precision and autocast inside the step, which casts each op's inputs")
+
+
+def _refuse_sparse_tensors(graph: fx.Graph) -> None:
+    """Every tensor the step computes is dense (strided): the passes shard, bucket and plan dense storage. A sparse
+    gradient (``nn.Embedding(sparse=True)``) is refused naming its parameter."""
+    sparse = [n for n in graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor) and v.layout != torch.strided]
+    if not sparse:
+        return
+    grads = [(n, slot.fqn) for n in sparse for slot in n.meta[TAG].slots if slot.role == Role.GRAD]
+    node, what = grads[0] if grads else (sparse[0], None)
+    what = f"the gradient of parameter '{what}'" if what else f"a tensor of {node.target}"
+    raise CaptureError(
+        f"{what} is sparse ({node.meta['val'].layout}): zerofx shards, reduces and plans dense tensors only",
+        source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
+        hint="construct nn.Embedding / nn.EmbeddingBag with sparse=False (the default): its gradient is then dense, "
+             "as FSDP2 requires too")
 
 
 def _refuse_writes_into(hyperparam: fx.Node) -> None:

@@ -14,6 +14,7 @@ class CaptureError(RuntimeError):
     def __init__(self, construct: str, *, source: str | None = None, hint: str | None = None):
         self.construct = construct
         self.source = source
+        self.hint = hint
         message = construct
         if source:
             message += f"\n  at {source}"
