@@ -59,6 +59,13 @@ def uneven_batch(rank, world_size):
     return _mismatched_step(step, model, opt, token_batch(1, rank, batch=3 if rank == 1 else 4), world_size)
 
 
+def uneven_first_batch(rank, world_size):
+    """Rank 1's first batch is shorter: the error shows the part of the step that differs, not the whole step."""
+    model, opt = gpt_and_adamw()
+    step = zerofx.compile(train_step)
+    return _mismatched_step(step, model, opt, token_batch(0, rank, batch=3 if rank == 1 else 4), world_size)
+
+
 def _mismatched_step(step, model, opt, batch, world_size) -> dict:
     """The step's error, how long it took to come, and whether the group still works after it."""
     start = time.perf_counter()

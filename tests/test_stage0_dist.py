@@ -50,6 +50,15 @@ def test_uneven_batch_raises_on_every_rank_without_hanging(ranks2):
         assert r["group_ok"]
 
 
+def test_an_uneven_first_batch_raises_showing_only_what_differs(ranks2):
+    for r in ranks2.run(cases.uneven_first_batch, timeout=60):
+        error = r["error"]
+        assert error is not None and r["group_ok"]
+        assert "rank 0: batch: (" in error and "torch.Size([4, 16])" in error, error
+        assert "rank 1: batch: (" in error and "torch.Size([3, 16])" in error, error
+        assert "params" not in error and "buffers" not in error, error  # the same on both ranks
+
+
 def _one_short(rank):
     return 3 if rank == 1 else 4
 

@@ -290,8 +290,8 @@ class CompiledStep:
         value, what, last_key = self._last_hash if same else guards.key_hash(key), "the step's inputs", self._last_key
 
         def describe() -> str:
-            if last_key is None:
-                return guards.describe_change({}, key)
+            if last_key is None:  # a line per part: the mismatch shows the parts that differ
+                return "\n".join(f"{part}: {value!r}" for part, value in sorted(key.items()))
             return guards.describe_change(last_key, key) or "same as its last step"
 
         carried = self._last.ctx.artifacts.get("carried_agreement") if ran_twice else None

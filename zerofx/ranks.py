@@ -61,7 +61,11 @@ def agree(value: int, what: str, describe: Callable[[], str],
 
 
 def _raise_mismatch(what: str, descriptions: list[str]) -> None:
-    lines = [f"  rank {r}: {d}" for r, d in enumerate(descriptions)]
+    """Each rank's description, less the lines every rank's has (a description of a whole step key has a line per
+    part: what differs is then what is shown)."""
+    common = set.intersection(*(set(d.splitlines()) for d in descriptions))
+    own = ["\n    ".join(line for line in d.splitlines() if line not in common) for d in descriptions]
+    lines = [f"  rank {r}: {d}" for r, d in enumerate(own if all(own) else descriptions)]
     raise RankMismatchError(f"ranks would run different graphs: {what} differs\n" + "\n".join(lines))
 
 
