@@ -250,6 +250,7 @@ class CompiledStep:
         if self._owned is not None:
             refuse_joining_an_optimizer(self._owned, binding, args)  # before its lazy state is made
             self._owned.reconcile_writes(binding, args)
+            self._owned.add_state_turned_on(binding, args)  # before init_lazy_state would make it whole
         for opt in binding.optimizers(args):
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = self._dp.size, self._dp.rank, self._dp.group_name

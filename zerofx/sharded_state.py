@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from zerofx import optim_support
 from zerofx.binding import REPLACED_AFTER_TAKEN, StepBinding
 from zerofx.errors import CaptureError, user_frame
 from zerofx.mesh import local, release, released
@@ -103,6 +104,32 @@ class ShardedState:
                         self.opt_state[(oi, fqn, key)] = value  # scalars (Adam's step) stay whole
         self._release(binding, args, new)
         return True
+
+    def add_state_turned_on(self, binding: StepBinding, args: tuple) -> None:
+        """From stage 1 on: a zero shard, as the optimizer would create it, of each per-element state that a
+        hyperparameter turned on after the step took the parameter (SGD's momentum raised from zero). torch.optim
+        starts SGD's buffer as a copy of the gradient, which a zero buffer updated once equals bit for bit; with
+        dampening it does not, and the trace that creates the buffer is refused."""
+        if self.stage == 0:
+            return
+        for oi, opt in enumerate(binding.optimizers(args)):
+            spec = optim_support.spec_for(opt)
+            for group in opt.param_groups:
+                if spec.starts_from_gradient(group):
+                    continue
+                for p in group["params"]:
+                    fqn = binding.fqn_of.get(id(p))
+                    for name in spec.per_element_state(group) if fqn in self.layouts else ():
+                        if (oi, fqn, name) not in self.opt_state:
+                            self._add_zero_state(opt.state[p], oi, fqn, name, spec.initial_value(group))
+
+    def _add_zero_state(self, entries: dict, oi: int, fqn: str, name: str, value: float) -> None:
+        stored = self.stored(fqn)
+        self.opt_state[(oi, fqn, name)] = torch.full((self.layouts[fqn].shard_numel,), value, dtype=stored.dtype,
+                                                     device=stored.device)
+        self.sharded_state_keys.add((oi, fqn, name))
+        entries[name] = torch.empty(0, dtype=stored.dtype, device=stored.device)  # as `_release` leaves state
+        self.released_state[(oi, fqn, name)] = entries[name], entries[name]._version
 
     def _release(self, binding: StepBinding, args: tuple, fqns) -> None:
         for fqn in fqns:
