@@ -97,6 +97,7 @@ def test_momentum_to_zero_and_back_retraces_once_per_side(caplog):
     assert compiled[3].stats().traces == 2  # back on the non-zero side the first graph serves any value
     messages = retrace_messages(caplog)
     assert len(messages) == 1 and "('momentum', '> 0')" in messages[0] and "('momentum', '== 0')" in messages[0]
+    assert "optimizer0: SGD: (" in messages[0] and "lr" not in messages[0], messages  # what changed, not the group
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
