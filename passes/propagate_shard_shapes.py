@@ -23,6 +23,11 @@ _SHARD_SAFE = {aten.detach.default, aten.clone.default, aten.copy_.default, aten
                aten._to_copy.default, aten.zero_.default, aten.fill_.Scalar}
 
 
+_AFTER_UPDATE_HINT = ("read parameters after the step returns (zerofx.full_state_dict); of the gradients, return "
+                      "their global norm (what torch.nn.utils.clip_grad_norm_ returns, before optimizer.step()); or "
+                      "use stage 0")
+
+
 def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Expects: the sharded graph (after ``shard_optimizer_state`` and the communication passes), shard-holding
     nodes flagged ``SHARD``.
@@ -59,7 +64,7 @@ def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                     f"stage {ctx.stage}{' after optimizer.step()' if after_update else ''} and is not elementwise: "
                     "it would compute something else than on the full tensor",
                     source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
-                    hint="read parameters after the step returns (zerofx.full_state_dict), or use stage 0"
+                    hint=_AFTER_UPDATE_HINT
                     if after_update else "take norms over all the gradients with torch.nn.utils.clip_grad_norm_; a norm "
                                          "of each parameter's (in your code, or an optimizer's, as LAMB takes) "
                                          "needs stage 0",
@@ -82,4 +87,4 @@ def _refuse_returned_shards(graph: fx.Graph, sharded: set[fx.Node], ctx: PassCon
                 f"the train step returns {value.target}, computed from a 1/{ctx.world_size} shard of a parameter, "
                 f"its state or its gradient at stage {ctx.stage}: it would return this rank's flat piece",
                 source=user_frame_from_stack_trace(value.meta.get("stack_trace")),
-                hint="read parameters after the step returns (zerofx.full_state_dict), or use stage 0")
+                hint=_AFTER_UPDATE_HINT)

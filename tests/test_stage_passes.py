@@ -176,12 +176,18 @@ def _logs_a_weight_sum(model, optimizer, x, y):
         return loss, sum(p.sum() for p in model.parameters())
 
 
-def test_reading_a_parameter_after_the_update_is_named_so():
+def _logs_a_gradient_sum(model, optimizer, x, y):
+    loss = train_step(model, optimizer, x, y)
+    return loss, sum(p.grad.sum() for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage, step_fn", [(1, _logs_a_weight_sum), (2, _logs_a_gradient_sum)])
+def test_reading_a_parameter_or_gradient_after_the_update_is_named_so(stage, step_fn):
     model, opt = gpt_and_adamw()
-    with pytest.raises(zerofx.CaptureError, match=r"at stage 1 after optimizer.step\(\) and is not elementwise") \
+    with pytest.raises(zerofx.CaptureError, match=rf"at stage {stage} after optimizer.step\(\) and is not elementwise") \
             as info:
-        zerofx.compile(_logs_a_weight_sum, stage=1)(model, opt, *token_batch(0, 0))
-    assert "zerofx.full_state_dict" in str(info.value)
+        zerofx.compile(step_fn, stage=stage)(model, opt, *token_batch(0, 0))
+    assert "zerofx.full_state_dict" in info.value.hint and "clip_grad_norm_" in info.value.hint
 
 
 def test_the_papers_table():
