@@ -54,6 +54,8 @@ class ShardedState:
     module_versions: dict[str, tuple] = field(default_factory=dict)
     # from stage 1 on: the empty tensor the step left in the optimizer's state for each entry it took, and its version
     released_state: dict[tuple[int, str, str], tuple[torch.Tensor, int]] = field(default_factory=dict)
+    # the per-element state names each (optimizer, group) had when `add_state_turned_on` last looked
+    _state_names_met: dict[tuple[int, int], tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def take(cls, binding: StepBinding, args: tuple, layouts: dict[str, ParamLayout], stage: int,
@@ -114,12 +116,14 @@ class ShardedState:
             return
         for oi, opt in enumerate(binding.optimizers(args)):
             spec = optim_support.spec_for(opt)
-            for group in opt.param_groups:
-                if spec.starts_from_gradient(group):
-                    continue
+            for gi, group in enumerate(opt.param_groups):
+                names = spec.per_element_state(group)
+                if spec.starts_from_gradient(group) or self._state_names_met.get((oi, gi)) == names:
+                    continue  # a call's cost: one look per group while no hyperparameter turns state on
+                self._state_names_met[(oi, gi)] = names
                 for p in group["params"]:
                     fqn = binding.fqn_of.get(id(p))
-                    for name in spec.per_element_state(group) if fqn in self.layouts else ():
+                    for name in names if fqn in self.layouts else ():
                         if (oi, fqn, name) not in self.opt_state:
                             self._add_zero_state(opt.state[p], oi, fqn, name, spec.initial_value(group))
 
