@@ -21,10 +21,11 @@ def _model(arch: str):
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                           tie_word_embeddings=True)
         model = transformers.LlamaForCausalLM(config)
-    elif arch == "mixtral":  # Mixture of Experts: the experts run as torch._grouped_mm
+    elif arch == "mixtral":  # Mixture of Experts: the experts run as torch._grouped_mm; the load-balancing loss
+        # reads the router logits, which transformers collects with hooks it installs on the first forward
         config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                            num_local_experts=4, num_experts_per_tok=2)
+                                            num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
         model = transformers.MixtralForCausalLM(config)
     elif arch == "t5":  # encoder-decoder: the labels shifted right feed the decoder; relative position biases
         config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,

@@ -699,12 +699,14 @@ def test_plain_values_the_loop_changes_re_trace(stage):
     assert step.stats().traces == 3  # the last call's values were traced before
 
 
-def test_a_plain_value_the_step_changes_in_python_is_refused():
-    """A counter in ``forward`` would count traces, not calls."""
+def test_a_plain_value_the_step_changes_in_python_on_every_call_is_refused():
+    """A counter in ``forward`` would count traces, not calls. The first call, which traces, does what eager does;
+    the second traces again (the value is in the key) and changes it again."""
     model = _Tempered(counting=True)
-    with pytest.raises(zerofx.CaptureError, match=r"module attribute 'calls' .* \(0 -> 1\)"):
-        zerofx.compile(_weighted_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8),
-                                       torch.randint(0, 3, (6,)))
+    step, opt = zerofx.compile(_weighted_step), torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, opt, torch.randn(6, 8), torch.randint(0, 3, (6,)))
+    with pytest.raises(zerofx.CaptureError, match=r"module attribute 'calls' .* \(1 -> 2\) on every call"):
+        step(model, opt, torch.randn(6, 8), torch.randint(0, 3, (6,)))
 
 
 class _Complex(torch.nn.Module):
@@ -1284,11 +1286,43 @@ def _registers_a_hook(model, optimizer, x, y):
     return regression_step(model, optimizer, x, y)
 
 
-def test_a_step_that_registers_a_module_hook_is_refused():
-    """Its Python runs only when it traces: each call found one more hook and traced again."""
-    model, opt = _bn_regressor_and_sgd()
-    with pytest.raises(zerofx.CaptureError, match="the step registers a module hook in Python .*_registers_a_hook"):
-        zerofx.compile(_registers_a_hook, stage=0)(model, opt, torch.randn(6, 8), torch.randn(6, 1))
+def _registers_a_hook_zeroing_last(model, optimizer, x, y):
+    """The step reads the gradients it finds (none on the first call), which keys the graph again after its trace."""
+    model[2].register_forward_hook(lambda module, inputs, output: output)
+    loss = (model(x) - y).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _installs_a_hook_once(model, optimizer, x, y):
+    """As transformers installs its output-capturing hooks: behind a flag on the model, on the first forward."""
+    if not getattr(model, "_doubling_installed", False):
+        model[2].register_forward_hook(lambda module, inputs, output: output * 2)
+        model._doubling_installed = True
+    return regression_step(model, optimizer, x, y)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_hook_the_step_installs_once_trains_as_eager_and_one_it_registers_on_every_call_is_refused(stage):
+    """Its Python runs only when it traces: a hook registered on every call would pile up under eager only (each
+    call found one more hook and traced again). One installed once, behind a flag, is what eager has too."""
+    (model, opt), (ref, ref_opt) = _bn_regressor_and_sgd(), _bn_regressor_and_sgd()
+    step = zerofx.compile(_installs_a_hook_once, stage=stage)
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+        torch.testing.assert_close(step(model, opt, x, y), _installs_a_hook_once(ref, ref_opt, x, y), rtol=0, atol=0,
+                                   msg=f"call {i}")
+    assert step.stats().traces == 2  # the first call's key had neither the hook nor the flag
+    for registers in (_registers_a_hook, _registers_a_hook_zeroing_last):
+        model, opt = _bn_regressor_and_sgd()
+        step = zerofx.compile(registers, stage=stage)
+        step(model, opt, torch.randn(6, 8), torch.randn(6, 1))
+        with pytest.raises(zerofx.CaptureError, match=rf"registers a module hook in Python \(.*{registers.__name__}"
+                                                      r".*\) on every call"):
+            step(model, opt, torch.randn(6, 8), torch.randn(6, 1))
 
 
 def _register_once(module, hook):

@@ -11,7 +11,9 @@ import cases_hf as cases
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_hf_model_in_the_trainers_loop_matches_ddp(ranks2, stage, arch):
     result = ranks2.run(cases.hf_loop_against_ddp, stage=stage, arch=arch)[0]
-    assert result["traces"] == 3  # training, one evaluation-mode step, the short last batch
+    # training, one evaluation-mode step, the short last batch; Mixtral's second call traces once more: its first
+    # forward installed transformers' output-capturing hooks
+    assert result["traces"] == (4 if arch == "mixtral" else 3)
 
 
 # each at two stages, together every stage: the suite stays short

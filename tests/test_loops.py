@@ -28,6 +28,7 @@ def test_short_batch_eval_step_and_weight_decay_change_retrace_once_each(ranks2,
     assert result["traces"] == 4  # the first, the short batch, eval; back in train mode the first graph again; wd
     reasons = result["retraces"]
     assert len(reasons) == 3 and "batch" in reasons[0] and "training" in reasons[1] and "weight_decay" in reasons[2]
+    assert reasons[1].endswith(", training: True -> False"), reasons  # once, not once per module
 
 
 @pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"),

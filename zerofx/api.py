@@ -181,6 +181,7 @@ class CompiledStep:
         self._last_probe: StepProbe | None = None
         self._reads_incoming_grads = False  # learned from the traces
         self._grads_added_to: frozenset[str] = frozenset()  # whose incoming .grad a trace's backward added to
+        self._side_effects_seen: set[str] = set()  # what the step's traces changed in Python, by name
         self._specs = DTensorSpecs()  # the DTensors among parameters and optimizer state, before they are taken
         self._dp = mesh_ranks(config.mesh)
         if config.partition_activations and self._dp.tp_size == 1:
@@ -399,7 +400,7 @@ class CompiledStep:
                                  checkpoint=c.checkpoint,
                                  specs=self._specs, keep_graphs=c.keep_graphs or c.dump_dir is not None,
                                  arena=self._arena, grads_added_to=self._grads_added_to,
-                                 first_trace=self._traces == 0)
+                                 first_trace=self._traces == 0, side_effects_seen=self._side_effects_seen)
         learned = compiled.grads_added_to - self._grads_added_to
         stale = [k for k, graph in self._cache.items() if graph.grads_released & learned]
         if stale:  # graphs that released gradients this one adds to: traced again, keeping them
@@ -410,7 +411,9 @@ class CompiledStep:
             for k in stale:
                 del self._cache[k]
         self._grads_added_to = compiled.grads_added_to
-        if compiled.reads_incoming_grads and not self._reads_incoming_grads:
+        # the key again, with the gradients' presence, unless the trace changed in Python what the key holds: the
+        # next call then traces again, and refuses what it changes again (`refuse_repeated_side_effects`)
+        if compiled.reads_incoming_grads and not self._reads_incoming_grads and not compiled.captured.side_effects:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True, step_fn=self.train_step)
         self._reads_incoming_grads = self._reads_incoming_grads or compiled.reads_incoming_grads
         self._cache[guards.freeze(key)] = compiled

@@ -66,6 +66,8 @@ class CapturedStep:
     standins_handed: frozenset[str] = frozenset()
     # parameters whose gradient, as an update starts, no backward left (set by hand), with the user's line
     grads_set_by_hand: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    # what the trace changed in Python (`refuse_repeated_side_effects`): name -> what it did
+    side_effects: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def capture(train_step: Callable, binding: StepBinding, args: tuple,
@@ -258,11 +260,11 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     kept = _tag_outputs(gm.graph, out_slots)
     # every pass ends with recompile(); a lazy module generates the Python code once, when the step first runs
     gm = _LazyGraphModule.from_graphmodule(gm)
-    _refuse_python_side_effects(plain_before, binding, args, train_step)
+    side_effects = _python_side_effects(plain_before, binding, args, train_step)
     modes_after = binding.training_modes(args)
     return CapturedStep(gm, slots, kept, out_meta["spec"], out_meta["constants"], out_meta["grads_left"],
                         modes_after if modes_after != modes_before else None, frozenset(added_to_at_backward),
-                        frozenset(handed_to_python), grads_set_by_hand)
+                        frozenset(handed_to_python), grads_set_by_hand, side_effects)
 
 
 def _number_read_in_torch_nn(tb) -> str | None:
@@ -281,16 +283,13 @@ def _inside_grad_scaler(tb) -> bool:
                for frame, _ in traceback.walk_tb(tb))
 
 
-def _refuse_python_side_effects(before: tuple, binding: StepBinding, args: tuple, train_step: Callable) -> None:
-    """A plain value the step changes in Python (a counter in ``forward``, a global it assigns) or a module hook it
-    registers would change only when it traces, not on the calls that run the graph: refused, naming it (a hook
-    registered in the step re-traced on every call, piling up)."""
+def _python_side_effects(before: tuple, binding: StepBinding, args: tuple, train_step: Callable) -> dict[str, str]:
+    """What the trace changed in Python that later calls, which run the graph, would not change again: a plain value
+    (a counter in ``forward``, a global it assigns) or a module hook it registered; by name, with what it did. One
+    that removes itself as it runs is gone at the next call, which traces once more."""
     attributes, values = ({value[:-1]: value[-1] for value in part} for part in before[:2])
-    added = [h for h in guards.hook_objects(binding, args) if not any(h is b for b in before[2])]
-    if added:  # one that removes itself as it runs is gone at the next call, which traces once more
-        raise CaptureError(f"the step registers a module hook in Python ({guards.hook_name(added[0])}): a compiled "
-                           "step runs its Python only when it traces, so each call would find one more hook and "
-                           "trace again", hint="register hooks before the first call, outside the step")
+    added = [guards.hook_name(h) for h in guards.hook_objects(binding, args) if not any(h is b for b in before[2])]
+    effects = {f"module hook {name}": f"registers a module hook in Python ({name})" for name in added}
     for (j, name), new in {a[:-1]: a[-1] for a in guards.module_attributes(binding, args)}.items():
         if attributes.get((j, name), "unset") != new:
             paths = [f"arg{pos}.{n}" if len(binding.module_positions) > 1 else n
@@ -298,17 +297,25 @@ def _refuse_python_side_effects(before: tuple, binding: StepBinding, args: tuple
                      for n, _ in module.named_modules()]
             where = f"'{paths[j]}.{name}'" if paths[j] else f"'{name}' of the model"
             old = repr(attributes[j, name]) if (j, name) in attributes else "unset"
-            raise _side_effect(f"module attribute {where}", old, repr(new))
+            effects[f"module attribute {where}"] = f"changes module attribute {where} in Python ({old} -> {new!r})"
     for (name,), new in {v[:-1]: v[-1] for v in guards.function_values(train_step)}.items():
         if values.get((name,), "unset") != new:
-            raise _side_effect(f"global '{name}'", values.get((name,), "unset"), new)
+            effects[f"global '{name}'"] = f"changes global '{name}' in Python ({values.get((name,), 'unset')} -> {new})"
+    return effects
 
 
-def _side_effect(what: str, old: str, new: str) -> CaptureError:
-    return CaptureError(f"the step changes {what} in Python ({old} -> {new}): a compiled step runs its Python only "
-                        "when it traces, so the change would happen once, not on every call",
-                        hint="make the change outside the step (in the training loop), or keep the value in a "
-                             "tensor (a buffer) the step updates in place")
+def refuse_repeated_side_effects(effects: dict[str, str], seen: set[str]) -> None:
+    """A Python side effect of a trace is what eager does too on that call, and one the step makes once (a hook
+    installed behind a flag, as transformers installs its output-capturing hooks) does not recur when the changed
+    step traces again. One that an earlier trace of the step made too (``seen``) would happen on every eager call and
+    only on traces here: refused, naming it."""
+    again = [name for name in effects if name in seen]
+    if again:
+        raise CaptureError(f"the step {effects[again[0]]} on every call: a compiled step runs its Python only when it "
+                           "traces, so the change would happen on traces, not on every call",
+                           hint="make the change outside the step (in the training loop), keep the value in a tensor "
+                                "(a buffer) the step updates in place, or register hooks before the first call")
+    seen.update(effects)
 
 
 def _module_views(binding: StepBinding, modules: list, tensors: dict) -> list[tuple[Any, dict]]:

@@ -196,18 +196,25 @@ def describe_change(old: dict[str, tuple], new: dict[str, tuple]) -> str:
     changed = []
     for part in sorted(set(old) | set(new)):
         a, b = old.get(part), new.get(part)
-        if a != b:
-            changed.append(f"{part}: " + "; ".join(_differences(a, b)[:3]))
+        if a != b:  # each difference once (a mode flipped in every module, one size of several tensors)
+            changed.append(f"{part}: " + "; ".join(list(dict.fromkeys(_differences(a, b)))[:3]))
     return ", ".join(changed)
 
 
 def _differences(a, b) -> list[str]:
     """Where two values of the key differ: into tuples of equal length, and into a (name, tuple) pair under its name,
     down to a (name, value) pair or a leaf."""
-    if not (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)):
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) != len(b):  # entries added or removed (hooks)
+        return [_listed(what, [x for x in items if x not in others])
+                for what, items, others in (("added", b, a), ("removed", a, b)) if any(x not in others for x in items)]
+    if not (isinstance(a, tuple) and isinstance(b, tuple)):
         return [f"{a!r} -> {b!r}"]
     if len(a) == 2 and isinstance(a[0], str) and a[0].isidentifier() and a[0] == b[0]:
         if isinstance(a[1], tuple) and isinstance(b[1], tuple):
             return [f"{a[0]}: {d}" for d in _differences(a[1], b[1])]
         return [f"{a!r} -> {b!r}"]
     return [d for x, y in zip(a, b) if x != y for d in _differences(x, y)]
+
+
+def _listed(what: str, items: list) -> str:
+    return f"{what} {items[0]!r}" + (f" and {len(items) - 1} more" if len(items) > 1 else "")

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from zerofx import collectives, dump
 from zerofx.binding import StepBinding, incoming_grads, input_values, present_grads
-from zerofx.capture import CapturedStep, capture
+from zerofx.capture import CapturedStep, capture, refuse_repeated_side_effects
 from zerofx.errors import CaptureError, user_frame_from_stack_trace
 from zerofx.fast_calls import Runnable, fast_calls
 from zerofx.memory import StepProbe
@@ -261,7 +261,8 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
           state: ShardedState | None, mixed: MixedPrecision | None,
           checkpoint: UnitRule | None = None, specs: DTensorSpecs | None = None,
           keep_graphs: bool = False, *, arena: SharedArena,
-          grads_added_to: frozenset[str] = frozenset(), first_trace: bool = True) -> CompiledGraph:
+          grads_added_to: frozenset[str] = frozenset(), first_trace: bool = True,
+          side_effects_seen: set[str] | None = None) -> CompiledGraph:
     """Capture, then run the stage's passes. Capture first offers every incoming gradient, to learn whether the
     step reads them (and adds to them, `_grads_added_to`), unless earlier traces saw it add to all of them. A
     stand-in for one this call does not have is taken away as backward starts, which tells that backward adds to
@@ -271,18 +272,22 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     later only reading one that exists does). ``checkpoint`` picks the modules whose activations backward
     recomputes; ``specs`` names the DTensor inputs; ``keep_graphs`` copies the graph after capture and after each
     pass (a copy per pass: a sixth of the build); ``arena``: the bytes the step's other graphs plan into
-    (``memory_plan``), shared with this one."""
+    (``memory_plan``), shared with this one. ``side_effects_seen``: the Python side effects earlier traces of the
+    step made (`refuse_repeated_side_effects`), added to."""
     override = state.trace_value if state else None
+    side_effects_seen = set() if side_effects_seen is None else side_effects_seen
     # once earlier traces saw the step add to every trainable parameter's gradient, offering more teaches nothing
     probe = not set(binding.trainable()) <= grads_added_to
     present = present_grads(binding)
     captured = capture(train_step, binding, args, override, mixed, incoming_grads(binding, probe=probe),
                        checkpoint, specs)
+    refuse_repeated_side_effects(captured.side_effects, side_effects_seen)
     read_in_trace = {s.fqn for s in captured.inputs if s.role == Role.GRAD_IN} | captured.standins_handed
     read = read_in_trace | captured.added_to_at_backward  # for the key, backward adding to a gradient reads it
     added_to = grads_added_to | _grads_added_to(StepGraph(captured.gm)) | captured.added_to_at_backward
     if not read_in_trace <= set(present):
         captured = capture(train_step, binding, args, override, mixed, present, checkpoint, specs)
+        refuse_repeated_side_effects(captured.side_effects, side_effects_seen)
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")
