@@ -187,8 +187,19 @@ def _grad_scaler(model, opt, x, y, scaler=torch.amp.GradScaler("cpu")):
     return loss
 
 
+def _branch_on_selected_count(model, opt, x, y):
+    """As DeBERTa's classification loss: the labelled rows picked by nonzero, a branch on how many there are."""
+    opt.zero_grad()
+    labelled = (y[:, 0] >= 0).nonzero()
+    loss = model(x, y) if labelled.size(0) > 0 else model(x, y) * 0
+    loss.backward()
+    opt.step()
+    return loss
+
+
 @pytest.mark.parametrize("step_fn,construct,line", [
     (_loss_branch, "bool() of a tensor decides a branch", "if loss > 1.0:"),
+    (_branch_on_selected_count, "a size that depends on tensor values", "if labelled.size(0) > 0 else"),
     (_item_branch, "Python uses a number read from a tensor", "if loss.item() > 1.0:"),
     # the trace would log a symbol once, and the graph's runs nothing: refused, not silently
     (_logs_item, "reads a number from a tensor into Python", "_LOGGED.append(loss.item())"),

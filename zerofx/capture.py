@@ -228,6 +228,12 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
                 "a print or format): the trace has a symbol there, not the number, and later calls run no Python",
                 source=source, hint="compute with the tensor (torch.where for a branch), or return the tensor and "
                                     "read the number after the step") from None
+        if source and _SIZE_READ.search(source):
+            raise CaptureError(
+                "Python control flow on a size that depends on tensor values (the output of nonzero, unique or "
+                "boolean-mask indexing): the graph has one shape for every call", source=source,
+                hint="compute with masks of a fixed size (torch.where) instead of selecting elements, or choose the "
+                     "branch outside the step (a Hugging Face model: set the config option that decides it)") from None
         raise CaptureError(
             "Python control flow on a tensor value: bool() of a tensor decides a branch",
             source=source,
@@ -465,6 +471,7 @@ def _hyperparams_as_floats(graph: fx.Graph, as_tensors: set[Slot]) -> None:
                 graph.erase_node(reader)
 
 
+_SIZE_READ = re.compile(r"\.size\(|\.shape\b|\.numel\(\)|\blen\(")  # in a source line: Python reads a size
 _NUMBER_READ = re.compile(r"\.item\(\)|\.tolist\(\)|\b(float|int)\(")  # in a source line: Python takes a number
 
 
