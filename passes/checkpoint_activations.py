@@ -31,6 +31,7 @@ from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
 from torch.utils.flop_counter import FlopCounterMode
 
 from zerofx import collectives
+from zerofx.errors import user_frame_from_stack_trace
 from zerofx.passes.context import PassContext
 from zerofx.passes.flat_collectives import CATEGORY, categorize
 from zerofx.passes.graph_edit import RECOMPUTED, add_call, fake_mode_of
@@ -193,21 +194,27 @@ def _closure(wanted: list[fx.Node], members: set[fx.Node], kept: set[fx.Node]) -
     return needed
 
 
+def _described(node: fx.Node) -> str:
+    """An op as a user knows it: its target, and the line of the user's code that ran it."""
+    source = user_frame_from_stack_trace(node.meta.get("stack_trace"))
+    return f"{node.target}" + (f" (at {source})" if source else "")
+
+
 def _unsafe(needed: set[fx.Node], members: set[fx.Node], order: dict[fx.Node, int], first_read: fx.Node,
             writes_into: dict[fx.Node, list[fx.Node]]) -> str:
     """Why recomputing ``needed`` before ``first_read`` would not give the forward's values ('' if it would)."""
     for node in needed:
         if is_mutating(node) and storage_root(node) not in members:
-            return f"{node.format_node()} writes into a tensor made outside the region"
+            return f"{_described(node)} writes into a tensor made outside the region"
         if node.target in _UPDATES_RUNNING_STATS and node.args[3] is not None:
-            return f"{node.format_node()} would update its running statistics a second time"
+            return f"{_described(node)} would update its running statistics a second time"
     for node in needed:  # a value it reads, written in place after forward read it and before the recompute
         for value in node.all_input_nodes:
             if value in needed:
                 continue
             for write in writes_into.get(storage_root(value), ()):
                 if write not in needed and order[node] < order[write] < order[first_read]:
-                    return f"{write.format_node()} writes into {value.name}, which the recompute reads, after " \
+                    return f"{_described(write)} writes into {value.name}, which the recompute reads, after " \
                            f"forward read it"
     return ""
 

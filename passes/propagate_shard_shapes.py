@@ -28,6 +28,10 @@ _AFTER_UPDATE_HINT = ("read parameters after the step returns (zerofx.full_state
                       "use stage 0")
 
 
+_NORM_HINT = ("take norms over all the gradients with torch.nn.utils.clip_grad_norm_; a norm of each parameter's "
+              "(in your code, or an optimizer's, as LAMB takes) needs stage 0")
+
+
 def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Expects: the sharded graph (after ``shard_optimizer_state`` and the communication passes), shard-holding
     nodes flagged ``SHARD``.
@@ -64,10 +68,7 @@ def propagate_shard_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                     f"stage {ctx.stage}{' after optimizer.step()' if after_update else ''} and is not elementwise: "
                     "it would compute something else than on the full tensor",
                     source=user_frame_from_stack_trace(node.meta.get("stack_trace")),
-                    hint=_AFTER_UPDATE_HINT
-                    if after_update else "take norms over all the gradients with torch.nn.utils.clip_grad_norm_; a norm "
-                                         "of each parameter's (in your code, or an optimizer's, as LAMB takes) "
-                                         "needs stage 0",
+                    hint=_AFTER_UPDATE_HINT if after_update else _NORM_HINT,
                 )
         args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
         with fake_mode:

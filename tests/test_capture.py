@@ -295,6 +295,16 @@ def test_an_op_meeting_two_dtypes_is_refused_naming_the_line_and_under_mixed_pre
         assert "torch.float32 and torch.float64" in str(info.value)
 
 
+@pytest.mark.parametrize("rule", ["blocks", torch.nn.GRU, lambda path, module: False])
+def test_a_checkpoint_rule_that_picks_nothing_warns(rule, caplog):
+    """The regressor's layers are of three classes: no blocks; and no GRU. Training is as without the rule."""
+    model, opt = _bn_regressor_and_sgd()
+    with caplog.at_level("WARNING", logger="zerofx"):
+        zerofx.compile(regression_step, checkpoint=rule)(model, opt, torch.randn(6, 8), torch.randn(6, 1))
+    assert any("picks no module" in r.getMessage() and "nothing is recomputed" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
 def test_unsupported_optimizer_raises_capture_error():
     model, _ = gpt_and_adamw()
     # RAdam branches in Python on its step count, a tensor the graph reads

@@ -184,8 +184,8 @@ def _logs_a_gradient_sum(model, optimizer, x, y):
 @pytest.mark.parametrize("stage, step_fn", [(1, _logs_a_weight_sum), (2, _logs_a_gradient_sum)])
 def test_reading_a_parameter_or_gradient_after_the_update_is_named_so(stage, step_fn):
     model, opt = gpt_and_adamw()
-    with pytest.raises(zerofx.CaptureError, match=rf"at stage {stage} after optimizer.step\(\) and is not elementwise") \
-            as info:
+    after_update = rf"at stage {stage} after optimizer.step\(\) and is not elementwise"
+    with pytest.raises(zerofx.CaptureError, match=after_update) as info:
         zerofx.compile(step_fn, stage=stage)(model, opt, *token_batch(0, 0))
     assert "zerofx.full_state_dict" in info.value.hint and "clip_grad_norm_" in info.value.hint
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import traceback
@@ -46,6 +47,8 @@ from zerofx.trace_events import (HandedToPython, PhaseRecorder, RegionRecorder, 
                                  on_optimizer_start, refuse_scheduler_steps, swap_optimizer, track_backward,
                                  traced_node)
 from zerofx.units import UnitRule, picked_modules
+
+log = logging.getLogger("zerofx")
 
 
 @dataclass
@@ -95,6 +98,10 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
     recorder = PhaseRecorder()
     regions = RegionRecorder(recorder)
     checkpointed = [] if checkpoint is None else picked_modules(modules, binding.module_prefixes, checkpoint)
+    if checkpoint is not None and not checkpointed:
+        log.warning("zerofx: checkpoint=%r picks no module of the step's models: nothing is recomputed ('blocks' are "
+                    "the modules of a ModuleList or Sequential of one class)",
+                    getattr(checkpoint, "__name__", checkpoint))
     out_slots: list[tuple[Slot, bool]] = []  # (slot, keep as a graph output)
     out_meta: dict[str, Any] = {}
     mixed_traces: list[MixedPrecisionTrace] = []  # made inside the trace, read after it
