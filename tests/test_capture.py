@@ -726,7 +726,7 @@ def test_a_plain_value_the_step_changes_in_python_on_every_call_is_refused():
     model = _Tempered(counting=True)
     step, opt = zerofx.compile(_weighted_step), torch.optim.SGD(model.parameters(), lr=0.1)
     step(model, opt, torch.randn(6, 8), torch.randint(0, 3, (6,)))
-    with pytest.raises(zerofx.CaptureError, match=r"module attribute 'calls' .* \(1 -> 2\) on every call"):
+    with pytest.raises(zerofx.CaptureError, match=r"module attribute 'calls' .* \(1 -> 2\) again as it traces again"):
         step(model, opt, torch.randn(6, 8), torch.randint(0, 3, (6,)))
 
 
@@ -1325,6 +1325,49 @@ def _installs_a_hook_once(model, optimizer, x, y):
     return regression_step(model, optimizer, x, y)
 
 
+def _installs_a_hook_once_zeroing_first(model, optimizer, x, y):
+    """``zero_grad(set_to_none=False)`` zeroes the gradients offered on the first trace: the call traces twice, the
+    second time after the first installed the hook."""
+    optimizer.zero_grad(set_to_none=False)
+    return _installs_a_hook_once(model, optimizer, x, y)
+
+
+class _ResetOnRequest(torch.nn.Module):
+    """A flag the loop sets and forward clears: eager doubles the output on the calls after the loop set it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.reset = torch.nn.Linear(8, 1), False
+
+    def forward(self, x):
+        if self.reset:
+            self.reset = False
+            return self.fc(x) * 2
+        return self.fc(x)
+
+
+def test_a_change_the_step_makes_to_python_state_is_made_again_or_refused_never_skipped():
+    """The graph traced while forward cleared the flag is not run again when the loop sets the flag again (it would
+    double every later output without clearing the flag): that call traces, clearing it again, which is refused; a
+    new model through a stage-0 step installs its hook anew; tracing twice in one call after a change is refused."""
+    model, opt = _seeded_with_adamw(_ResetOnRequest)
+    step = zerofx.compile(_scaled_regression_step)
+    model.reset = True
+    for _ in range(3):
+        step(model, opt, torch.randn(4, 8), torch.randn(4, 1))
+        assert model.reset is False
+    model.reset = True
+    with pytest.raises(zerofx.CaptureError, match=r"module attribute 'reset' .* again as it traces again"):
+        step(model, opt, torch.randn(4, 8), torch.randn(4, 1))
+    step = zerofx.compile(_installs_a_hook_once)
+    for _ in range(2):
+        model, opt = _bn_regressor_and_sgd()
+        step(model, opt, torch.randn(6, 8), torch.randn(6, 1))
+    model, opt = _bn_regressor_and_sgd()
+    with pytest.raises(zerofx.CaptureError, match=r"registers a module hook .* again as it traces again(.|\n)*eagerly"):
+        zerofx.compile(_installs_a_hook_once_zeroing_first)(model, opt, torch.randn(6, 8), torch.randn(6, 1))
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_hook_the_step_installs_once_trains_as_eager_and_one_it_registers_on_every_call_is_refused(stage):
     """Its Python runs only when it traces: a hook registered on every call would pile up under eager only (each
@@ -1342,7 +1385,7 @@ def test_a_hook_the_step_installs_once_trains_as_eager_and_one_it_registers_on_e
         step = zerofx.compile(registers, stage=stage)
         step(model, opt, torch.randn(6, 8), torch.randn(6, 1))
         with pytest.raises(zerofx.CaptureError, match=rf"registers a module hook in Python \(.*{registers.__name__}"
-                                                      r".*\) on every call"):
+                                                      r".*\) again as it traces again"):
             step(model, opt, torch.randn(6, 8), torch.randn(6, 1))
 
 

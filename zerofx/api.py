@@ -256,7 +256,9 @@ class CompiledStep:
             optim_support.init_lazy_state(opt)
         world_size, rank, group_name = self._dp.size, self._dp.rank, self._dp.group_name
         key = guards.step_key(binding, args, self._owned_parts, self._reads_incoming_grads, self.train_step)
-        same = key == self._last_key  # the common case: no freezing, hashing or cache lookup
+        # the common case: no freezing, hashing or cache lookup; a graph whose trace changed Python state is not run
+        # again: its call traces anew, and refuses a change made again (`refuse_repeated_side_effects`)
+        same = key == self._last_key and not self._last.captured.side_effects
         if not same:
             self._refuse_refreezing(binding)
         several_ranks = dist.is_initialized() and dist.get_world_size() > 1  # tensor-parallel peers included
@@ -362,6 +364,7 @@ class CompiledStep:
                                    "compile a new step for other ones")
             first = self._binding is None
             self._binding, self._binding_ids = StepBinding.from_args(args), ids
+            self._side_effects_seen.clear()  # what traces changed in Python was the other models'
             refuse_taken(self._binding)
             if first and self._dp.size > 1:
                 runtime.sync_module_states(self._binding, self._dp.group)
@@ -416,7 +419,8 @@ class CompiledStep:
         if compiled.reads_incoming_grads and not self._reads_incoming_grads and not compiled.captured.side_effects:
             key = guards.step_key(binding, args, self._owned_parts, reads_incoming_grads=True, step_fn=self.train_step)
         self._reads_incoming_grads = self._reads_incoming_grads or compiled.reads_incoming_grads
-        self._cache[guards.freeze(key)] = compiled
+        if not compiled.captured.side_effects:  # see `_prepare`
+            self._cache[guards.freeze(key)] = compiled
         self._traces += 1
         if len(self._cache) > c.max_traces:
             if self._traces == c.max_traces + 1:  # once: from here on, every new key evicts

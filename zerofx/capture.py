@@ -36,7 +36,7 @@ from torch.nn.utils import stateless
 
 from zerofx import guards, optim_support
 from zerofx.binding import StepBinding, hyperparam_traced_as_tensor, input_slots, input_values, present_grads
-from zerofx.errors import CaptureError, user_frame, user_frame_from_stack_trace
+from zerofx.errors import CaptureError, raised_in_zerofx, user_frame, user_frame_from_stack_trace
 from zerofx.fake_kernels import cpu_dtypes_for_grouped_mm
 from zerofx.mesh import DTensorSpecs, local, rebuild
 from zerofx.rng import traced_rng_state
@@ -247,7 +247,7 @@ def capture(train_step: Callable, binding: StepBinding, args: tuple,
             hint="compute both branches with torch.where, or move the decision out of the train step",
         ) from None
     except TypeError as e:
-        if "FakeTensor" not in str(e):
+        if "FakeTensor" not in str(e) or raised_in_zerofx(e.__traceback__):
             raise
         raise _tensor_as_python_number(e) from None
     except DynamicOutputShapeException as e:
@@ -320,14 +320,18 @@ def _python_side_effects(before: tuple, binding: StepBinding, args: tuple, train
 def refuse_repeated_side_effects(effects: dict[str, str], seen: set[str]) -> None:
     """A Python side effect of a trace is what eager does too on that call, and one the step makes once (a hook
     installed behind a flag, as transformers installs its output-capturing hooks) does not recur when the changed
-    step traces again. One that an earlier trace of the step made too (``seen``) would happen on every eager call and
-    only on traces here: refused, naming it."""
+    step traces again. One that an earlier trace of the step made too (``seen``) would happen on every eager call that
+    makes it and only on traces here: refused, naming it. (The step does not run a graph whose trace made one again
+    without tracing: `CompiledStep._prepare`.)"""
     again = [name for name in effects if name in seen]
     if again:
-        raise CaptureError(f"the step {effects[again[0]]} on every call: a compiled step runs its Python only when it "
-                           "traces, so the change would happen on traces, not on every call",
+        raise CaptureError(f"the step {effects[again[0]]} again as it traces again: a compiled step runs its Python "
+                           "only when it traces, so a change eager makes on more than one call would happen on "
+                           "traces only",
                            hint="make the change outside the step (in the training loop), keep the value in a tensor "
-                                "(a buffer) the step updates in place, or register hooks before the first call")
+                                "(a buffer) the step updates in place, or register hooks before the first call (a "
+                                "library's hooks that its model installs on its first forward: run one forward "
+                                "eagerly, under torch.no_grad(), before the first call)")
     seen.update(effects)
 
 

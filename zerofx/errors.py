@@ -65,6 +65,11 @@ def user_frame_from_stack_trace(stack_trace: str | None) -> str | None:
     return None
 
 
+def raised_in_zerofx(tb) -> bool:
+    """Whether the innermost frame of a traceback is zerofx's own code (a defect of zerofx, not the user's input)."""
+    return os.path.abspath(traceback.extract_tb(tb)[-1].filename).startswith(_LIBRARY_DIRS[1:])
+
+
 def is_library_file(filename: str) -> bool:
     """Whether ``filename`` is torch's or zerofx's, not the user's."""
     return os.path.abspath(filename).startswith(_LIBRARY_DIRS)

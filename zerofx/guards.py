@@ -205,8 +205,8 @@ def _differences(a, b) -> list[str]:
     """Where two values of the key differ: into tuples of equal length, and into a (name, tuple) pair under its name,
     down to a (name, value) pair or a leaf."""
     if isinstance(a, tuple) and isinstance(b, tuple) and len(a) != len(b):  # entries added or removed (hooks)
-        return [_listed(what, [x for x in items if x not in others])
-                for what, items, others in (("added", b, a), ("removed", a, b)) if any(x not in others for x in items)]
+        return [_listed(what, entries) for what, entries in (("added", _minus(b, a)), ("removed", _minus(a, b)))
+                if entries]
     if not (isinstance(a, tuple) and isinstance(b, tuple)):
         return [f"{a!r} -> {b!r}"]
     if len(a) == 2 and isinstance(a[0], str) and a[0].isidentifier() and a[0] == b[0]:
@@ -218,3 +218,14 @@ def _differences(a, b) -> list[str]:
 
 def _listed(what: str, items: list) -> str:
     return f"{what} {items[0]!r}" + (f" and {len(items) - 1} more" if len(items) > 1 else "")
+
+
+def _minus(items: tuple, others: tuple) -> list:
+    """``items`` less one of them for each equal one in ``others`` (a hook registered twice counts twice)."""
+    rest, left = list(others), []
+    for item in items:
+        if item in rest:
+            rest.remove(item)
+        else:
+            left.append(item)
+    return left

@@ -44,6 +44,9 @@ class OptimizerSpec:
     # a group whose state torch.optim starts from the first gradient (SGD's buffer with dampening): not created
     # here, so the first call traces the step that creates it and the second the steady state
     starts_from_gradient: Callable[[dict], bool] = lambda group: False
+    # torch.optim creates a per-element state it finds missing on any step (SGD's buffer, once momentum is raised
+    # from zero), not only on a parameter's first: zerofx then adds it to what it holds (others fail eagerly)
+    creates_missing_state: bool = False
 
     def __post_init__(self):
         if not set(self.zero_tested) <= set(self.tensor_hyperparams):
@@ -89,7 +92,8 @@ SPECS: dict[type, OptimizerSpec] = {
         tensor_hyperparams=(_LR, ("momentum", None), ("dampening", None), _WEIGHT_DECAY),
         zero_tested=(("momentum", None), _WEIGHT_DECAY), scalar_state=(),
         per_element_state=lambda group: ("momentum_buffer",) if group["momentum"] != 0 else (),
-        starts_from_gradient=lambda group: group["momentum"] != 0 and group["dampening"] != 0),
+        starts_from_gradient=lambda group: group["momentum"] != 0 and group["dampening"] != 0,
+        creates_missing_state=True),
     torch.optim.Adam: _ADAM,
     torch.optim.AdamW: _ADAM,
     torch.optim.Adamax: OptimizerSpec(tensor_hyperparams=_ADAM_INPUTS, zero_tested=(_WEIGHT_DECAY,),

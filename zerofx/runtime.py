@@ -286,8 +286,9 @@ def build(train_step, binding: StepBinding, args: tuple, ctx: PassContext, dump_
     read = read_in_trace | captured.added_to_at_backward  # for the key, backward adding to a gradient reads it
     added_to = grads_added_to | _grads_added_to(StepGraph(captured.gm)) | captured.added_to_at_backward
     if not read_in_trace <= set(present):
+        # the first trace's changes to Python state would be the state this one starts from: not what eager runs
+        refuse_repeated_side_effects(captured.side_effects, set(captured.side_effects))
         captured = capture(train_step, binding, args, override, mixed, present, checkpoint, specs)
-        refuse_repeated_side_effects(captured.side_effects, side_effects_seen)
     if ctx.stage >= 1 and any(s.role == Role.NEW_STATE for s in captured.outputs):
         raise CaptureError("the optimizer creates state lazily inside the step (SGD with dampening)",
                            hint=f"stage {ctx.stage} shards state before the first step: use dampening=0 or stage 0")

@@ -109,14 +109,15 @@ class ShardedState:
 
     def add_state_turned_on(self, binding: StepBinding, args: tuple) -> None:
         """From stage 1 on: a zero shard, as the optimizer would create it, of each per-element state that a
-        hyperparameter turned on after the step took the parameter (SGD's momentum raised from zero). torch.optim
+        hyperparameter turned on after the step took the parameter (SGD's momentum raised from zero; other optimizers
+        create state on a parameter's first step only, and fail eagerly on one turned on later). torch.optim
         starts SGD's buffer as a copy of the gradient, which a zero buffer updated once equals bit for bit; with
         dampening it does not, and the trace that creates the buffer is refused."""
         if self.stage == 0:
             return
         for oi, opt in enumerate(binding.optimizers(args)):
             spec = optim_support.spec_for(opt)
-            for gi, group in enumerate(opt.param_groups):
+            for gi, group in enumerate(opt.param_groups if spec.creates_missing_state else ()):
                 names = spec.per_element_state(group)
                 if spec.starts_from_gradient(group) or self._state_names_met.get((oi, gi)) == names:
                     continue  # a call's cost: one look per group while no hyperparameter turns state on
