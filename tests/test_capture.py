@@ -1350,11 +1350,12 @@ def test_a_change_the_step_makes_to_python_state_is_made_again_or_refused_never_
     """The graph traced while forward cleared the flag is not run again when the loop sets the flag again (it would
     double every later output without clearing the flag): that call traces, clearing it again, which is refused; a
     new model through a stage-0 step installs its hook anew; tracing twice in one call after a change is refused."""
-    model, opt = _seeded_with_adamw(_ResetOnRequest)
+    (model, opt), (ref, ref_opt) = _seeded_with_adamw(_ResetOnRequest), _seeded_with_adamw(_ResetOnRequest)
     step = zerofx.compile(_scaled_regression_step)
-    model.reset = True
+    model.reset = ref.reset = True
     for _ in range(3):
-        step(model, opt, torch.randn(4, 8), torch.randn(4, 1))
+        x, y = torch.randn(4, 8), torch.randn(4, 1)
+        torch.testing.assert_close(step(model, opt, x, y), _scaled_regression_step(ref, ref_opt, x, y), rtol=0, atol=0)
         assert model.reset is False
     model.reset = True
     with pytest.raises(zerofx.CaptureError, match=r"module attribute 'reset' .* again as it traces again"):
@@ -1366,6 +1367,10 @@ def test_a_change_the_step_makes_to_python_state_is_made_again_or_refused_never_
     model, opt = _bn_regressor_and_sgd()
     with pytest.raises(zerofx.CaptureError, match=r"registers a module hook .* again as it traces again(.|\n)*eagerly"):
         zerofx.compile(_installs_a_hook_once_zeroing_first)(model, opt, torch.randn(6, 8), torch.randn(6, 1))
+    model, opt = _seeded_with_adamw(_ResetOnRequest)
+    model.reset = True  # bind() traces without running: the change would be used up
+    with pytest.raises(zerofx.CaptureError, match=r"bind\(\) traced the step, which changes module attribute 'reset'"):
+        zerofx.compile(_scaled_regression_step).bind(model, opt, torch.randn(4, 8), torch.randn(4, 1))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -182,6 +182,7 @@ class CompiledStep:
         self._reads_incoming_grads = False  # learned from the traces
         self._grads_added_to: frozenset[str] = frozenset()  # whose incoming .grad a trace's backward added to
         self._side_effects_seen: set[str] = set()  # what the step's traces changed in Python, by name
+        self._evicting = False  # the cache holds max_traces graphs: each new one evicts the least recently used
         self._specs = DTensorSpecs()  # the DTensors among parameters and optimizer state, before they are taken
         self._dp = mesh_ranks(config.mesh)
         if config.partition_activations and self._dp.tp_size == 1:
@@ -199,8 +200,14 @@ class CompiledStep:
         """Bind the step to its model, optimizer and an example batch, called as the step is, without training:
         capture the graph and take the sharded state, so that ``zerofx.state_dict(self)`` is the target
         ``torch.distributed.checkpoint.load`` fills before the first step. Every rank calls it."""
-        self._prepare(self._positional(args, kwargs), carried=False)
+        compiled = self._prepare(self._positional(args, kwargs), carried=False)
         collectives.settle_pending()  # nothing runs: the rank agreement is awaited here
+        changed = [what for name, what in compiled.captured.side_effects.items() if not name.startswith("module hook")]
+        if changed:  # a hook the trace installed stays and serves the first call; a value it changed was used up
+            raise CaptureError(f"bind() traced the step, which {changed[0]}: the call that makes that change with "
+                               "it is not run, and the first step would start from the changed value",
+                               hint="bind with the value as the first step should find it after the change, or call "
+                                    "the step instead of bind()")
         return self
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
@@ -380,7 +387,8 @@ class CompiledStep:
         self._specs.record(binding, args, self.config.mesh)  # before the step takes (and releases) what they describe
         if self._last_key is not None:
             log.warning("zerofx: re-tracing %s because %s", self._name,
-                        guards.describe_change(self._last_key, key))
+                        guards.describe_change(self._last_key, key) or "its last trace changed Python state ("
+                        + ", ".join(self._last.captured.side_effects) + ")")
         dump_dir = self.config.dump_dir
         if dump_dir and self._traces:
             dump_dir = os.path.join(dump_dir, f"trace{self._traces}")
@@ -423,12 +431,13 @@ class CompiledStep:
             self._cache[guards.freeze(key)] = compiled
         self._traces += 1
         if len(self._cache) > c.max_traces:
-            if self._traces == c.max_traces + 1:  # once: from here on, every new key evicts
+            if not self._evicting:  # once: from here on, every new key evicts
                 log.warning("zerofx: %s has traced %d graphs, more than max_traces=%d: the least recently used is "
                             "evicted from now on; what keeps changing: %s",
                             self._name, self._traces, c.max_traces,
                             ", ".join(guards.varying_parts([dict(k) for k in self._cache])))
             self._cache.popitem(last=False)
+            self._evicting = True
         return compiled, key
 
     @property
