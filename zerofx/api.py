@@ -17,6 +17,7 @@ import torch.nn as nn
 from zerofx import collectives, guards, optim_support, ranks, runtime
 from zerofx.mesh import DTensorSpecs, local, mesh_ranks
 from zerofx.binding import REPLACED_AFTER_TAKEN, StepBinding, refuse_tensor_hooks
+from zerofx.capture import values_changed
 from zerofx.errors import CaptureError
 from zerofx.memory import StepProbe
 from zerofx.mixed_precision import MixedPrecision
@@ -202,7 +203,7 @@ class CompiledStep:
         ``torch.distributed.checkpoint.load`` fills before the first step. Every rank calls it."""
         compiled = self._prepare(self._positional(args, kwargs), carried=False)
         collectives.settle_pending()  # nothing runs: the rank agreement is awaited here
-        changed = [what for name, what in compiled.captured.side_effects.items() if not name.startswith("module hook")]
+        changed = values_changed(compiled.captured.side_effects)
         if changed:  # a hook the trace installed stays and serves the first call; a value it changed was used up
             raise CaptureError(f"bind() traced the step, which {changed[0]}: the call that makes that change with "
                                "it is not run, and the first step would start from the changed value",

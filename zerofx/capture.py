@@ -302,7 +302,7 @@ def _python_side_effects(before: tuple, binding: StepBinding, args: tuple, train
     that removes itself as it runs is gone at the next call, which traces once more."""
     attributes, values = ({value[:-1]: value[-1] for value in part} for part in before[:2])
     added = [guards.hook_name(h) for h in guards.hook_objects(binding, args) if not any(h is b for b in before[2])]
-    effects = {f"module hook {name}": f"registers a module hook in Python ({name})" for name in added}
+    effects = {f"{_HOOK} {name}": f"registers a module hook in Python ({name})" for name in added}
     for (j, name), new in {a[:-1]: a[-1] for a in guards.module_attributes(binding, args)}.items():
         if attributes.get((j, name), "unset") != new:
             paths = [f"arg{pos}.{n}" if len(binding.module_positions) > 1 else n
@@ -315,6 +315,14 @@ def _python_side_effects(before: tuple, binding: StepBinding, args: tuple, train
         if values.get((name,), "unset") != new:
             effects[f"global '{name}'"] = f"changes global '{name}' in Python ({values.get((name,), 'unset')} -> {new})"
     return effects
+
+
+_HOOK = "module hook"  # how `_python_side_effects` names a hook the trace registered
+
+
+def values_changed(effects: dict[str, str]) -> list[str]:
+    """What of ``effects`` changed a value (an attribute, a global), not a hook, which stays registered."""
+    return [what for name, what in effects.items() if not name.startswith(_HOOK)]
 
 
 def refuse_repeated_side_effects(effects: dict[str, str], seen: set[str]) -> None:

@@ -133,8 +133,7 @@ class ShardedState:
         self.opt_state[(oi, fqn, name)] = torch.full((self.layouts[fqn].shard_numel,), value, dtype=stored.dtype,
                                                      device=stored.device)
         self.sharded_state_keys.add((oi, fqn, name))
-        entries[name] = torch.empty(0, dtype=stored.dtype, device=stored.device)  # as `_release` leaves state
-        self.released_state[(oi, fqn, name)] = entries[name], entries[name]._version
+        self._leave_empty(entries, oi, fqn, name, stored)
 
     def _release(self, binding: StepBinding, args: tuple, fqns) -> None:
         for fqn in fqns:
@@ -146,8 +145,12 @@ class ShardedState:
                     continue
                 for key, value in entries.items():
                     if isinstance(value, torch.Tensor):
-                        entries[key] = torch.empty(0, dtype=value.dtype, device=value.device)
-                        self.released_state[(oi, fqn, key)] = entries[key], entries[key]._version
+                        self._leave_empty(entries, oi, fqn, key, value)
+
+    def _leave_empty(self, entries: dict, oi: int, fqn: str, key: str, like: torch.Tensor) -> None:
+        """In the optimizer's state, an empty tensor where the step holds the entry; its version shows a write."""
+        entries[key] = torch.empty(0, dtype=like.dtype, device=like.device)
+        self.released_state[(oi, fqn, key)] = entries[key], entries[key]._version
 
     def note_module_versions(self, binding: StepBinding) -> None:
         """After a run: the taken parameters as the step leaves them in the module."""
